@@ -1,0 +1,69 @@
+# Every target runs `.tools/bin/tox -e <env>`; .tools/ is bootstrapped from the hashed
+# requirements/tools.txt (uv, tox, tox-uv). `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+TOOLS := .tools
+TOX := $(TOOLS)/bin/tox
+FORCE ?=
+SGLANG_SOURCE ?= wheel
+ARGS ?=
+export SGLANG_SOURCE
+
+APPLY_FLAGS := $(if $(filter 1 yes true,$(FORCE)),--force,) --source $(SGLANG_SOURCE)
+
+.DEFAULT_GOAL := help
+.PHONY: help apply-patches export-patches check-patches wheel venv test lock clean \
+	ablation bench test-gpu docker-base docker-test upstream-status rebase pr-export
+
+$(TOOLS)/.stamp: requirements/tools.txt
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check --require-hashes -r requirements/tools.txt
+	touch $@
+
+help: ## list targets and variables
+	@echo "targets:"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 20
+	@echo "variables: FORCE=1 (apply-patches: discard local changes), SGLANG_SOURCE=wheel|git,"
+	@echo "           ARGS='...' (extra args for the verb, e.g. make test ARGS='-k comm')"
+
+apply-patches: $(TOOLS)/.stamp ## fetch + verify the pin, apply patches/ to build/sglang (FORCE=1, SGLANG_SOURCE=git)
+	$(TOX) -q -e apply -- $(APPLY_FLAGS) $(ARGS)
+
+export-patches: $(TOOLS)/.stamp ## regenerate patches/ from the commits in build/sglang
+	$(TOX) -q -e export -- $(ARGS)
+
+check-patches: $(TOOLS)/.stamp ## lint series + trailers, zero-fuzz apply, round trip, black/isort/codespell
+	$(TOX) -q -e check -- $(ARGS)
+
+wheel: $(TOOLS)/.stamp ## build the patched wheel into build/dist
+	$(TOX) -q -e wheel -- $(ARGS)
+
+venv: $(TOOLS)/.stamp ## create/refresh the locked test env (.tox/test) with the patched wheel
+	$(TOX) -q -e venv
+
+test: $(TOOLS)/.stamp ## run the CPU suites (pytest-xdist; junit in build/results/)
+	$(TOX) -q -e test -- $(ARGS)
+
+lock: $(TOOLS)/.stamp ## re-resolve requirements/tools.txt and requirements/test.lock
+	$(TOX) -q -e lock -- $(ARGS)
+
+clean: ## remove build/ and .tox/ (keeps .cache/ downloads and .tools/)
+	rm -rf build .tox
+
+# Placeholders: wired by their owners (see README).
+ablation: $(TOOLS)/.stamp ## run each regression test without its patch (must fail) and with it
+	$(TOX) -q -e ablation -- $(ARGS)
+bench: $(TOOLS)/.stamp ## memory benchmark: list+cat vs packer
+	$(TOX) -q -e bench -- $(ARGS)
+test-gpu: $(TOOLS)/.stamp ## run the suites on CUDA/NCCL
+	$(TOX) -q -e test-gpu -- $(ARGS)
+docker-base: $(TOOLS)/.stamp ## build the Debian base image
+	$(TOX) -q -e docker-base -- $(ARGS)
+docker-test: $(TOOLS)/.stamp ## build the CPU image and run the suites inside
+	$(TOX) -q -e docker-test -- $(ARGS)
+upstream-status: $(TOOLS)/.stamp ## which patches later SGLang releases already carry
+	$(TOX) -q -e upstream-status -- $(ARGS)
+rebase: $(TOOLS)/.stamp ## move the pin to another release and re-apply the series
+	$(TOX) -q -e rebase -- $(ARGS)
+pr-export: $(TOOLS)/.stamp ## write an upstream PR bundle per upstream-bound patch
+	$(TOX) -q -e pr-export -- $(ARGS)
