@@ -1,0 +1,148 @@
+"""Aux-capture cases on SGLang's real DeepseekV2Model, runnable in any rank.
+
+Each function here is module-level so a :class:`harness.runner.RankPool` can run it
+in every rank (``fn(rank, world_size, ...)``) and also in-process at TP = 1. A
+model is built once per rank and configuration and reused across cases.
+
+The reference for a capture index ``i`` is the output of layer ``i - 1``
+(``hidden_states + residual`` once the layer's all-reduce is complete; the
+embedding for ``i = 0``), taken with forward hooks on a run with fusion off and no
+capture at all, so it does not depend on the capture code under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional, Sequence
+
+from harness.sglang_cpu import TinyConfig, build_tiny_deepseek, fusion_mode, run_model
+
+_MODELS: Dict[TinyConfig, Any] = {}
+
+
+def get_model(cfg: TinyConfig = TinyConfig()):
+    if cfg not in _MODELS:
+        _MODELS[cfg] = build_tiny_deepseek(cfg)
+    return _MODELS[cfg]
+
+
+def input_ids(num_tokens: int, cfg: TinyConfig = TinyConfig(), seed: int = 7):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, cfg.vocab_size, (num_tokens,), generator=g)
+
+
+def layer_sets(num_layers: int) -> Dict[str, List[int]]:
+    """The layers_to_capture variants of the matrix, as SGLang computes them."""
+    return {
+        # set_eagle3_layers_to_capture(None): [2, n // 2, n - 3]
+        "eagle3-default": [2, num_layers // 2, num_layers - 3],
+        # set_eagle3_layers_to_capture(ids) with the last layer: [id + 1 for id in ids]
+        "eagle3-last": [1 + 1, (num_layers // 2) + 1, (num_layers - 1) + 1],
+        # set_dflash_layers_to_capture(ids): [id + 1 for id in ids]
+        "dflash": [0 + 1, 2 + 1, (num_layers - 2) + 1, (num_layers - 1) + 1],
+    }
+
+
+def as_packed(aux) -> Any:
+    """Captures as one [tokens, K * hidden] tensor, whichever form the model returned."""
+    import torch
+
+    if aux is None:
+        return None
+    if isinstance(aux, torch.Tensor):
+        return aux
+    return torch.cat(list(aux), dim=-1)
+
+
+def num_captured(aux, hidden_size: int) -> int:
+    if aux is None:
+        return 0
+    return as_packed(aux).shape[-1] // hidden_size
+
+
+class ListCollector(list):
+    """An unmigrated model's collector: a plain list (no copy on append)."""
+
+    def finalize(self):
+        import torch
+
+        return torch.cat(self, dim=-1)
+
+
+@contextlib.contextmanager
+def collector(kind: str):
+    """Run the model with the given collector: ``packer`` (the model's own) or ``list``."""
+    if kind == "packer":
+        yield
+        return
+    if kind != "list":
+        raise ValueError(f"collector {kind!r}")
+    import unittest.mock as mock
+
+    from sglang.srt.models import deepseek_v2
+
+    if not hasattr(deepseek_v2, "AuxHiddenStatePacker"):
+        # Before the packer patch the model collects in a list already.
+        yield
+        return
+    with mock.patch.object(deepseek_v2, "AuxHiddenStatePacker", lambda n: ListCollector()):
+        yield
+
+
+def reference_layer_outputs(model, ids) -> List[Any]:
+    """Complete output of every layer (index i = input of layer i), fusion off."""
+    import torch
+
+    outputs: List[Any] = []
+
+    def hook(module, args, kwargs, out):
+        h, r = out[0], out[1]
+        outputs.append((h if r is None else h + r).clone())
+
+    emb_out: List[Any] = []
+    handles = [
+        model.embed_tokens.register_forward_hook(lambda m, a, o: emb_out.append(o.clone()))
+    ]
+    for layer in model.layers:
+        handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with fusion_mode("off"):
+            final, _ = run_model(model, ids, [])
+    finally:
+        for h in handles:
+            h.remove()
+    return [emb_out[0]] + outputs, final
+
+
+def capture_case(
+    rank: int,
+    world_size: int,
+    *,
+    num_tokens: int,
+    layers_to_capture: Sequence[int],
+    fusion: str = "off",
+    collector_kind: str = "packer",
+    mode: str = "extend",
+    cfg: TinyConfig = TinyConfig(),
+) -> Dict[str, Any]:
+    """Runs one capture case; returns plain data for cross-rank comparison."""
+    import torch
+
+    model = get_model(cfg)
+    ids = input_ids(num_tokens, cfg)
+    refs, ref_final = reference_layer_outputs(model, ids)
+    with fusion_mode(fusion), collector(collector_kind):
+        final, aux = run_model(model, ids, layers_to_capture, mode=mode)
+    packed = as_packed(aux)
+    expected = [refs[i] for i in sorted(layers_to_capture) if i < len(refs)]
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "captures": None if packed is None else packed.clone(),
+        "expected": torch.cat(expected, dim=-1) if expected else None,
+        "num_captured": num_captured(aux, cfg.hidden_size),
+        "final": final.clone(),
+        "reference_final": ref_final.clone(),
+    }

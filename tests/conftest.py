@@ -1,0 +1,82 @@
+"""Shared fixtures for every suite. Keep this small and additive."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# Ablation (and anyone testing a source tree) points the suites at another SGLang
+# source tree: ``HARNESS_SGLANG_PATH=<tree>/python``. It goes first on sys.path here
+# and on PYTHONPATH for spawned ranks, before anything imports sglang.
+_SGLANG_PATH = os.environ.get("HARNESS_SGLANG_PATH")
+if _SGLANG_PATH:
+    sys.path.insert(0, _SGLANG_PATH)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_SGLANG_PATH, os.environ.get("PYTHONPATH")) if p
+    )
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--guards",
+        action="append",
+        default=[],
+        metavar="PATCH_ID",
+        help="only run the regression tests marked @pytest.mark.guards(PATCH_ID)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "guards(patch_id): regression test for the patch with that Patch-Id"
+    )
+    config.addinivalue_line("markers", "multirank: spawns rank pools (TP > 1)")
+    config.addinivalue_line("markers", "gpu: needs CUDA")
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = set(config.getoption("--guards"))
+    if not wanted:
+        return
+    keep, drop = [], []
+    for item in items:
+        ids = {m.args[0] for m in item.iter_markers("guards")}
+        (keep if ids & wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+SGLANG_INIT = "harness.sglang_dist:init_sglang_distributed"
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """Factory: ``rank_pool(world_size, backend=None, init_fn=SGLANG_INIT, **pool_kwargs)``.
+
+    Returns a warm ``harness.runner.RankPool`` cached per (world_size, backend, init_fn)
+    for this pytest worker; a pool broken by a failed case is replaced on the next
+    request. Backend: ``$HARNESS_DIST_BACKEND``, else nccl when CUDA is available, else
+    gloo. Skips when nccl needs more GPUs than there are. ``pool_kwargs`` (e.g.
+    ``timeout=``) only apply when a pool is created.
+    """
+    from harness.runner import close_all_pools, get_pool
+
+    def make(world_size: int, backend: str | None = None, init_fn=SGLANG_INIT, **pool_kwargs):
+        if backend is None:
+            backend = os.environ.get("HARNESS_DIST_BACKEND")
+        if backend is None:
+            import torch
+
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            import torch
+
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if n < world_size:
+                pytest.skip(f"backend nccl needs {world_size} GPUs, {n} visible")
+        return get_pool(world_size, backend, init_fn, **pool_kwargs)
+
+    yield make
+    close_all_pools()
