@@ -7,6 +7,7 @@ TOX := $(TOOLS)/bin/tox
 FORCE ?=
 SGLANG_SOURCE ?= wheel
 ARGS ?=
+SGLANG_VERSION ?=
 export SGLANG_SOURCE
 
 APPLY_FLAGS := $(if $(filter 1 yes true,$(FORCE)),--force,) --source $(SGLANG_SOURCE)
@@ -35,13 +36,13 @@ export-patches: $(TOOLS)/.stamp ## regenerate patches/ from the commits in build
 check-patches: $(TOOLS)/.stamp ## lint series + trailers, zero-fuzz apply, round trip, black/isort/codespell
 	$(TOX) -q -e check -- $(ARGS)
 
-wheel: $(TOOLS)/.stamp ## build the patched wheel into build/dist
+wheel: apply-patches ## build the patched wheel into build/dist
 	$(TOX) -q -e wheel -- $(ARGS)
 
-venv: $(TOOLS)/.stamp ## create/refresh the locked test env (.tox/test) with the patched wheel
+venv: apply-patches ## create/refresh the locked test env (.tox/test) with the patched wheel
 	$(TOX) -q -e venv
 
-test: $(TOOLS)/.stamp ## run the CPU suites (pytest-xdist; junit in build/results/)
+test: apply-patches ## run the CPU suites (pytest-xdist; junit in build/results/)
 	$(TOX) -q -e test -- $(ARGS)
 
 lock: $(TOOLS)/.stamp ## re-resolve requirements/tools.txt and requirements/test.lock
@@ -50,12 +51,11 @@ lock: $(TOOLS)/.stamp ## re-resolve requirements/tools.txt and requirements/test
 clean: ## remove build/ and .tox/ (keeps .cache/ downloads and .tools/)
 	rm -rf build .tox
 
-# Placeholders: wired by their owners (see README).
-ablation: $(TOOLS)/.stamp ## run each regression test without its patch (must fail) and with it
+ablation: apply-patches ## run each regression test without its patch (must fail) and with it
 	$(TOX) -q -e ablation -- $(ARGS)
-bench: $(TOOLS)/.stamp ## memory benchmark: list+cat vs packer
+bench: apply-patches ## memory benchmark: list+cat vs packer
 	$(TOX) -q -e bench -- $(ARGS)
-test-gpu: $(TOOLS)/.stamp ## run the suites on CUDA/NCCL
+test-gpu: apply-patches ## run the suites on CUDA/NCCL
 	$(TOX) -q -e test-gpu -- $(ARGS)
 docker-base: $(TOOLS)/.stamp ## build the Debian base image
 	$(TOX) -q -e docker-base -- $(ARGS)
@@ -63,7 +63,8 @@ docker-test: $(TOOLS)/.stamp ## build the CPU image and run the suites inside
 	$(TOX) -q -e docker-test -- $(ARGS)
 upstream-status: $(TOOLS)/.stamp ## which patches later SGLang releases already carry
 	$(TOX) -q -e upstream-status -- $(ARGS)
-rebase: $(TOOLS)/.stamp ## move the pin to another release and re-apply the series
-	$(TOX) -q -e rebase -- $(ARGS)
+rebase: $(TOOLS)/.stamp ## move the pin to SGLANG_VERSION=X, drop landed patches, re-apply the rest
+	@test -n "$(SGLANG_VERSION)" || { echo "error: make rebase needs SGLANG_VERSION=X (e.g. make rebase SGLANG_VERSION=0.5.17)" >&2; exit 2; }
+	$(TOX) -q -e rebase -- --to $(SGLANG_VERSION) $(ARGS)
 pr-export: $(TOOLS)/.stamp ## write an upstream PR bundle per upstream-bound patch
 	$(TOX) -q -e pr-export -- $(ARGS)
