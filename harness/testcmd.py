@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     results = lay.build / "results"
     results.mkdir(parents=True, exist_ok=True)
     has_path = any(not a.startswith("-") and (lay.root / a.split("::")[0]).exists() for a in extra)
-    cmd = [sys.executable, "-m", "pytest", "-p", "xdist", "-n", "auto", "--junitxml", str(results / "junit.xml")]
+    cmd = [sys.executable, "-m", "pytest", "-p", "xdist", "-n", "auto", "--dist", "loadgroup", "--junitxml", str(results / "junit.xml")]
     cmd += extra + ([] if has_path else ["tests"])
     print("+ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=lay.root).returncode

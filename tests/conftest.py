@@ -80,3 +80,19 @@ def rank_pool():
 
     yield make
     close_all_pools()
+
+
+@pytest.fixture(scope="session")
+def sglang_tp1():
+    """SGLang's own distributed state at world size 1 (gloo), in this pytest worker."""
+    from harness.sglang_dist import init_sglang_distributed
+
+    return init_sglang_distributed(rank=0, world_size=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(sglang_tp1):
+    """SGLang's real DeepseekV2Model (8 layers, CPU stand-ins), built once per worker."""
+    from harness.suites.capture import get_model
+
+    return get_model()

@@ -71,23 +71,79 @@ class ListCollector(list):
         return torch.cat(self, dim=-1)
 
 
+class _Snapshots:
+    """Remembers (tensor, value at append time) for every capture."""
+
+    def __init__(self):
+        self.items: List[Any] = []
+
+    def record(self, t):
+        self.items.append((t, t.clone()))
+
+    def changed_later(self) -> List[int]:
+        """Indices of appended tensors whose value changed after they were appended."""
+        import torch
+
+        return [i for i, (t, snap) in enumerate(self.items) if not torch.equal(t, snap)]
+
+
 @contextlib.contextmanager
-def collector(kind: str):
-    """Run the model with the given collector: ``packer`` (the model's own) or ``list``."""
-    if kind == "packer":
-        yield
-        return
-    if kind != "list":
-        raise ValueError(f"collector {kind!r}")
+def collector(kind: str, snapshots: Optional[_Snapshots] = None):
+    """Run the model with the given collector: ``packer`` (the model's own) or
+    ``list`` (an unmigrated model's list). With ``snapshots``, every appended tensor
+    is recorded with its value at append time."""
     import unittest.mock as mock
 
     from sglang.srt.models import deepseek_v2
 
-    if not hasattr(deepseek_v2, "AuxHiddenStatePacker"):
-        # Before the packer patch the model collects in a list already.
+    if kind not in ("packer", "list"):
+        raise ValueError(f"collector {kind!r}")
+    packer_cls = getattr(deepseek_v2, "AuxHiddenStatePacker", None)
+    if packer_cls is None:
+        # Before the packer patch the model builds a plain list itself.
+        if snapshots is None:
+            yield
+            return
+
+        class SnapList(list):
+            def append(self, t):
+                snapshots.record(t)
+                super().append(t)
+
+        orig_forward = deepseek_v2.DeepseekV2DecoderLayer.forward
+
+        def forward(self, *args, captured_last_layer_outputs=None, **kwargs):
+            if captured_last_layer_outputs is not None and not isinstance(
+                captured_last_layer_outputs, SnapList
+            ):
+                captured_last_layer_outputs.__class__ = SnapList
+            return orig_forward(
+                self, *args, captured_last_layer_outputs=captured_last_layer_outputs, **kwargs
+            )
+
+        if "captured_last_layer_outputs" in orig_forward.__code__.co_varnames:
+            with mock.patch.object(deepseek_v2.DeepseekV2DecoderLayer, "forward", forward):
+                yield
+        else:
+            yield
+        return
+    if kind == "list":
+        base = ListCollector
+    else:
+        base = packer_cls
+
+    if snapshots is None and kind == "packer":
         yield
         return
-    with mock.patch.object(deepseek_v2, "AuxHiddenStatePacker", lambda n: ListCollector()):
+
+    class Instrumented(base):
+        def append(self, t):
+            if snapshots is not None:
+                snapshots.record(t)
+            super().append(t)
+
+    factory = (lambda n: Instrumented()) if kind == "list" else Instrumented
+    with mock.patch.object(deepseek_v2, "AuxHiddenStatePacker", factory):
         yield
 
 
@@ -133,16 +189,39 @@ def capture_case(
     model = get_model(cfg)
     ids = input_ids(num_tokens, cfg)
     refs, ref_final = reference_layer_outputs(model, ids)
-    with fusion_mode(fusion), collector(collector_kind):
+    snaps = _Snapshots()
+    with fusion_mode(fusion), collector(collector_kind, snaps):
         final, aux = run_model(model, ids, layers_to_capture, mode=mode)
     packed = as_packed(aux)
-    expected = [refs[i] for i in sorted(layers_to_capture) if i < len(refs)]
+    expected = [refs[i] for i in sorted(set(layers_to_capture)) if i < len(refs)]
+    appended = [t for t, _ in snaps.items]
+    shares_final = [
+        i
+        for i, t in enumerate(appended + ([] if packed is None else [packed]))
+        if t.untyped_storage().data_ptr() == final.untyped_storage().data_ptr()
+    ]
     return {
         "rank": rank,
         "world_size": world_size,
         "captures": None if packed is None else packed.clone(),
         "expected": torch.cat(expected, dim=-1) if expected else None,
+        "num_expected": len(expected),
         "num_captured": num_captured(aux, cfg.hidden_size),
         "final": final.clone(),
         "reference_final": ref_final.clone(),
+        "changed_after_capture": snaps.changed_later(),
+        "shares_storage_with_final": shares_final,
     }
+
+
+def capture_matrix(rank: int, world_size: int, cases: Sequence[Dict[str, Any]]):
+    """Runs many cases in one call; a failing case returns its traceback, not raises."""
+    import traceback
+
+    out = []
+    for case in cases:
+        try:
+            out.append(capture_case(rank, world_size, **case))
+        except Exception:
+            out.append({"rank": rank, "error": traceback.format_exc()})
+    return out
