@@ -50,7 +50,7 @@ def _variant_tree(lay, index: int, pid: str) -> Path:
     tree = lay.tree
     if not (tree / ".git").exists():
         raise HarnessError(f"{lay.rel(tree)} is missing: run `make apply-patches` first")
-    commits = git(["rev-list", "--reverse", "--first-parent", "HEAD"], cwd=tree).split()
+    commits = git(tree, "rev-list", "--reverse", "--first-parent", "HEAD").stdout.split()
     # commits[0] is the pristine pin; commits[i] has patches 1..i
     if len(commits) < index + 1:
         raise HarnessError(f"{lay.rel(tree)} has {len(commits) - 1} patch commits; run `make apply-patches`")

@@ -55,13 +55,18 @@ def set_version_py(text: str, version: str) -> str:
     return text
 
 
+# Bump when the wheel layout/RECORD logic changes, so an old build is not reused.
+BUILDER_VERSION = "2"
+
+
 def build_wheel(lay: Layout, apply: bool = True) -> Path:
     from harness.patchset import apply_patches, fetch_wheel
 
     if apply:
         apply_patches(lay)
     out, version = wheel_path(lay)
-    if out.exists():
+    stamp = out.with_name(out.name + ".builder")
+    if out.exists() and stamp.exists() and stamp.read_text() == BUILDER_VERSION:
         progress(f"wheel up to date: {lay.rel(out)}")
         return out
     pin = load_pin(lay)
@@ -111,7 +116,7 @@ def build_wheel(lay: Layout, apply: bool = True) -> Path:
     files[new_info + "RECORD"] = (record.encode(), 0o644)
     order.append(new_info + "RECORD")
     lay.dist.mkdir(parents=True, exist_ok=True)
-    for stale in lay.dist.glob(f"{pkg}-*.whl"):
+    for stale in [*lay.dist.glob(f"{pkg}-*.whl"), *lay.dist.glob(f"{pkg}-*.whl.builder")]:
         stale.unlink()
     tmp = out.with_name(out.name + ".tmp")
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
@@ -121,5 +126,6 @@ def build_wheel(lay: Layout, apply: bool = True) -> Path:
             info.compress_type = zipfile.ZIP_DEFLATED
             zf.writestr(info, files[n][0])
     tmp.replace(out)
+    stamp.write_text(BUILDER_VERSION)
     progress(f"built {lay.rel(out)} ({changed} changed, {added} added, {removed} removed files)")
     return out

@@ -24,6 +24,8 @@ STYLE_ARGS = {
     "black": ["black", "--check"],
     "isort": ["isort", "--profile", "black", "-p", "sglang", "--check-only", "--quiet"],
     "codespell": ["codespell_lib", "--ignore-words-list", "mis"],
+    # SGLang's pre-commit runs ruff for unused imports / undefined names.
+    "ruff": ["ruff", "check", "--no-cache", "--select", "F401,F821"],
 }
 REQUIRED_TRAILERS = ("Patch-Id", "Origin", "Forwarded", "Upstream-Status", "Drop-In")
 PATCH_ID_RE = re.compile(r"^[a-z0-9-]+$")
@@ -138,6 +140,30 @@ def check_apply_and_roundtrip(lay: Layout, names: list[str]) -> tuple[list[str],
     return problems, scratch, tree
 
 
+def check_prefixes(lay: Layout, tree: Path, names: list[str]) -> list[str]:
+    """Every prefix of the series must compile: each touched .py file, at each commit."""
+    from harness.common import base_tag, git
+
+    pin = load_pin(lay)
+    commits = git(tree, "rev-list", "--reverse", f"{base_tag(pin)}..HEAD").stdout.split()
+    problems = []
+    touched: list[str] = []
+    for name, commit in zip(names, commits):
+        for f in patch_files((lay.patches / name).read_text(errors="replace")):
+            if f.endswith(".py") and f not in touched:
+                touched.append(f)
+        for f in touched:
+            proc = subprocess.run(["git", "-C", str(tree), "show", f"{commit}:{f}"],
+                                  capture_output=True)
+            if proc.returncode != 0:
+                continue  # deleted at this prefix
+            try:
+                compile(proc.stdout, f, "exec")
+            except SyntaxError as exc:
+                problems.append(f"prefix: after {name}: {f}:{exc.lineno}: does not compile: {exc.msg}")
+    return problems
+
+
 def check_style(lay: Layout, tree: Path, names: list[str]) -> list[str]:
     problems = []
     files: list[str] = []
@@ -176,6 +202,8 @@ def check_patches(lay: Layout, apply: bool = True, style: bool = True) -> list[s
         more, scratch, tree = check_apply_and_roundtrip(lay, names)
         problems += more
         try:
+            if tree is not None:
+                problems += check_prefixes(lay, tree, names)
             if style and tree is not None:
                 problems += check_style(lay, tree, names)
         finally:

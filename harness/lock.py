@@ -17,7 +17,7 @@ from pathlib import Path
 from harness import HarnessError
 from harness.common import layout, progress
 
-EXCLUDE_NEWER = "2026-11-30T00:00:00Z"
+EXCLUDE_NEWER = "2026-11-29T00:00:00Z"
 COMMON = [
     "pip", "compile", "--quiet", "--generate-hashes", "--python-version", "3.11",
     "--python-platform", "x86_64-manylinux_2_34", "--no-header", "--annotation-style", "line",

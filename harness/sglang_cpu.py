@@ -55,7 +55,30 @@ def _torch():
 
 def has_real_kernels() -> bool:
     """True on a CUDA machine: stand-ins switch off and the real kernels run."""
-    return _torch().cuda.is_available()
+    return device().startswith("cuda")
+
+
+def device() -> str:
+    """``$HARNESS_DEVICE``, else ``cuda`` (the rank's current device) when available."""
+    import os
+
+    torch = _torch()
+    want = os.environ.get("HARNESS_DEVICE")
+    if want is None:
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        return f"cuda:{torch.cuda.current_device()}"
+    return want
+
+
+def model_dtype(cfg: "TinyConfig"):
+    """float64 on CPU; CUDA kernels (RMSNorm, FlashInfer) take float32, still exact for
+    the small integers these tests produce."""
+    torch = _torch()
+    dtype = getattr(torch, cfg.dtype)
+    if has_real_kernels() and dtype == torch.float64:
+        return torch.float32
+    return dtype
 
 
 # --------------------------------------------------------------------------
@@ -247,7 +270,7 @@ class _ShardedBlock:
 
 def _make_attention_cls(cfg: TinyConfig, tp_rank: int, tp_size: int):
     torch = _torch()
-    dtype = getattr(torch, cfg.dtype)
+    dtype = model_dtype(cfg)
 
     class StandInAttention(torch.nn.Module, _ShardedBlock):
         """Stands in for DeepseekV2AttentionMLA: returns this rank's partial sum (o_proj
@@ -274,7 +297,7 @@ def _make_attention_cls(cfg: TinyConfig, tp_rank: int, tp_size: int):
 
 def _make_mlp_cls(cfg: TinyConfig, tp_rank: int, tp_size: int):
     torch = _torch()
-    dtype = getattr(torch, cfg.dtype)
+    dtype = model_dtype(cfg)
 
     class StandInMLP(torch.nn.Module, _ShardedBlock):
         """Stands in for DeepseekV2MLP: gate/up column-parallel, down row-parallel; the
@@ -361,11 +384,11 @@ def build_tiny_deepseek(cfg: TinyConfig = TinyConfig()):
     with mock.patch.object(deepseek_v2, "DeepseekV2AttentionMLA", attn_cls), \
             mock.patch.object(deepseek_v2, "DeepseekV2MLP", mlp_cls):
         model = deepseek_v2.DeepseekV2Model(config, quant_config=None)
-    dtype = getattr(torch, cfg.dtype)
-    model.to(dtype)
+    dtype = model_dtype(cfg)
+    model.to(device=device(), dtype=dtype)
     with torch.no_grad():
         emb = model.embed_tokens.weight
-        full = _full_weight(cfg.seed, 999, (cfg.vocab_size, cfg.hidden_size)) * 3
+        full = (_full_weight(cfg.seed, 999, (cfg.vocab_size, cfg.hidden_size)) * 3).to(emb.device)
         # VocabParallelEmbedding shards the vocab; pick this rank's rows.
         start = getattr(model.embed_tokens, "shard_indices", None)
         if start is not None and emb.shape[0] != full.shape[0]:
@@ -390,6 +413,7 @@ def make_forward_batch(input_ids, mode: str = "extend", extend_seq_lens: Optiona
     )
 
     n = int(input_ids.shape[0])
+    dev = input_ids.device
     forward_mode = {
         "extend": ForwardMode.EXTEND,
         "decode": ForwardMode.DECODE,
@@ -397,16 +421,18 @@ def make_forward_batch(input_ids, mode: str = "extend", extend_seq_lens: Optiona
     }[mode]
     seq_lens_list = extend_seq_lens if extend_seq_lens is not None else ([n] if n else [])
     bs = len(seq_lens_list) if mode == "extend" else n
-    seq_lens = torch.tensor(seq_lens_list if mode == "extend" else [1] * n, dtype=torch.int64)
+    seq_lens = torch.tensor(
+        seq_lens_list if mode == "extend" else [1] * n, dtype=torch.int64, device=dev
+    )
     fb = ForwardBatch(
         forward_mode=forward_mode,
         batch_size=bs,
         input_ids=input_ids,
-        req_pool_indices=torch.arange(bs, dtype=torch.int64),
+        req_pool_indices=torch.arange(bs, dtype=torch.int64, device=dev),
         seq_lens=seq_lens,
-        out_cache_loc=torch.arange(n, dtype=torch.int64),
+        out_cache_loc=torch.arange(n, dtype=torch.int64, device=dev),
         seq_lens_sum=int(seq_lens.sum()),
-        positions=torch.arange(n, dtype=torch.int64),
+        positions=torch.arange(n, dtype=torch.int64, device=dev),
         capture_hidden_mode=CaptureHiddenMode.NULL,
     )
     if mode == "extend":
@@ -423,7 +449,8 @@ def run_model(model, input_ids, layers_to_capture: Sequence[int], mode: str = "e
     torch = _torch()
     model.layers_to_capture = list(layers_to_capture)
     fb = make_forward_batch(input_ids, mode)
-    positions = torch.arange(input_ids.shape[0], dtype=torch.int64)
+    input_ids = input_ids.to(device())
+    positions = torch.arange(input_ids.shape[0], dtype=torch.int64, device=input_ids.device)
     with torch.no_grad():
         out = model(input_ids, positions, fb)
     if isinstance(out, tuple):

@@ -203,12 +203,12 @@ def capture_case(
     return {
         "rank": rank,
         "world_size": world_size,
-        "captures": None if packed is None else packed.clone(),
-        "expected": torch.cat(expected, dim=-1) if expected else None,
+        "captures": None if packed is None else packed.cpu().clone(),
+        "expected": torch.cat(expected, dim=-1).cpu() if expected else None,
         "num_expected": len(expected),
         "num_captured": num_captured(aux, cfg.hidden_size),
-        "final": final.clone(),
-        "reference_final": ref_final.clone(),
+        "final": final.cpu().clone(),
+        "reference_final": ref_final.cpu().clone(),
         "changed_after_capture": snaps.changed_later(),
         "shares_storage_with_final": shares_final,
     }

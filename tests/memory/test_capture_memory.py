@@ -14,13 +14,26 @@ from harness.suites.memory import capture_path
 GUARD = pytest.mark.guards("aux-packer")
 
 
+def _device():
+    from harness.sglang_cpu import device
+
+    return device()
+
+
+def _same(got, want, allocs):
+    """Exact on CPU; the CUDA caching allocator rounds each block up to 512 B."""
+    if _device() == "cpu":
+        return got == want
+    return want <= got <= want + 512 * allocs
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 300])
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_list_and_cat_peaks_at_twice_the_captures(sglang_tp1, tokens, k):
-    res = capture_path("list", tokens, 32, k, "float32")
+    res = capture_path("list", tokens, 32, k, "float32", _device())
     s = res["capture_bytes"]
-    assert res["peak_bytes"] == 2 * s, res
-    assert res["held_after_bytes"] == s, res
+    assert _same(res["peak_bytes"], 2 * s, 2 * k), res
+    assert _same(res["held_after_bytes"], s, 1), res
 
 
 @GUARD
@@ -28,24 +41,24 @@ def test_list_and_cat_peaks_at_twice_the_captures(sglang_tp1, tokens, k):
 @pytest.mark.parametrize("k", [1, 3, 4])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packer_peaks_at_the_captures(sglang_tp1, tokens, k, dtype):
-    res = capture_path("packer", tokens, 32, k, dtype)
+    res = capture_path("packer", tokens, 32, k, dtype, _device())
     s = res["capture_bytes"]
-    assert res["peak_bytes"] == s, (
+    assert _same(res["peak_bytes"], s, 1), (
         f"packer peak {res['peak_bytes']} B, expected {s} B (1 x K x T x H x itemsize)"
     )
-    assert res["held_after_bytes"] == s
+    assert _same(res["held_after_bytes"], s, 1)
     assert res["copied_bytes"] == s, "the packer copies each capture exactly once"
 
 
 @GUARD
 def test_packer_halves_the_peak(sglang_tp1):
-    lst = capture_path("list", 128, 64, 3, "bfloat16")
-    pk = capture_path("packer", 128, 64, 3, "bfloat16")
-    assert pk["peak_bytes"] * 2 == lst["peak_bytes"]
+    lst = capture_path("list", 128, 64, 3, "bfloat16", _device())
+    pk = capture_path("packer", 128, 64, 3, "bfloat16", _device())
+    assert _same(pk["peak_bytes"] * 2, lst["peak_bytes"], 6)
     assert pk["copied_bytes"] * 2 == lst["copied_bytes"]
 
 
 def test_zero_tokens_allocates_nothing(sglang_tp1):
     for path in ("list",):
-        res = capture_path(path, 0, 32, 3)
+        res = capture_path(path, 0, 32, 3, "float32", _device())
         assert res["peak_bytes"] == 0
