@@ -288,6 +288,12 @@ def _make_attention_cls(cfg: TinyConfig, tp_rank: int, tp_size: int):
         def forward(self, positions, hidden_states, forward_batch, zero_allocator=None,
                     llama_4_scaling=None, layer_scatter_modes=None, prev_topk_indices=None,
                     **_: Any):
+            from sglang.srt.layers.communicator import get_attn_tp_context
+
+            if get_attn_tp_context().input_scattered:
+                # As MLA does: q_lora on this rank's tokens, then attention over all
+                # tokens of the TP group (AttentionInputs all-gathers them).
+                hidden_states = get_attn_tp_context().fetch_hidden_states()
             if hidden_states.shape[0] == 0:
                 return hidden_states.clone()
             return self._partial(hidden_states)
@@ -444,14 +450,36 @@ def make_forward_batch(input_ids, mode: str = "extend", extend_seq_lens: Optiona
     return fb
 
 
+@contextlib.contextmanager
+def attn_tp_input_scattered(enabled: bool = True) -> Iterator[None]:
+    """Allow SGLang's attention-TP input scattering (``--enable-attn-tp-input-scattered``).
+
+    SGLang's ``AttnTpContext.init_context`` allows it only on CUDA/NPU; this sets the
+    resulting flag, and the real ``maybe_input_scattered`` / ``use_input_scattered``
+    decide per batch as in ``DeepseekV2ForCausalLM.forward``.
+    """
+    from sglang.srt.layers.communicator import get_attn_tp_context
+
+    ctx = get_attn_tp_context()
+    old = ctx.allow_input_scattered
+    ctx.allow_input_scattered = enabled
+    try:
+        yield
+    finally:
+        ctx.allow_input_scattered = old
+
+
 def run_model(model, input_ids, layers_to_capture: Sequence[int], mode: str = "extend"):
-    """Runs the real DeepseekV2Model.forward; returns (final_hidden, captures or None)."""
+    """Runs the real DeepseekV2Model.forward (inside SGLang's ``maybe_input_scattered``,
+    as DeepseekV2ForCausalLM.forward does); returns (final_hidden, captures or None)."""
     torch = _torch()
+    from sglang.srt.layers.communicator import get_attn_tp_context
+
     model.layers_to_capture = list(layers_to_capture)
     fb = make_forward_batch(input_ids, mode)
     input_ids = input_ids.to(device())
     positions = torch.arange(input_ids.shape[0], dtype=torch.int64, device=input_ids.device)
-    with torch.no_grad():
+    with torch.no_grad(), get_attn_tp_context().maybe_input_scattered(fb):
         out = model(input_ids, positions, fb)
     if isinstance(out, tuple):
         return out[0], out[1]

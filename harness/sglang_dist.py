@@ -104,6 +104,43 @@ def _disable_fast_paths(use_pynccl: bool) -> None:
     ps._auxcap_no_pynccl = True
 
 
+_CPU_COLLECTIVES = {
+    # SGLang registers these torch custom ops for the CUDA dispatch key only; each is a
+    # thin dispatcher to the GroupCoordinator's own torch.distributed call. The CPU
+    # kernels below are the same dispatch, so gloo ranks run SGLang's own collectives.
+    "reg_all_gather_into_tensor": "_all_gather_into_tensor",
+    "reg_reduce_scatter_tensor": "_reduce_scatter_tensor",
+    "reg_all_to_all_single": "_all_to_all_single",
+}
+_CPU_LIB = None
+
+
+def _register_cpu_collectives() -> None:
+    global _CPU_LIB
+    if _CPU_LIB is not None:
+        return
+    import torch
+    from sglang.srt.distributed import parallel_state as ps
+
+    lib = torch.library.Library("sglang", "IMPL")
+    for op_name, method in _CPU_COLLECTIVES.items():
+        wrapper = getattr(ps, op_name, None)
+        if wrapper is None:
+            continue
+        getattr(wrapper, "real_impl", None)  # defines torch.ops.sglang.<op> if needed
+        if not hasattr(torch.ops.sglang, op_name):
+            continue
+
+        def kernel(output, input, group_name, _method=method):
+            group = ps._groups[group_name]()
+            if group is None:
+                raise ValueError(f"Group {group_name} is destroyed.")
+            getattr(group, _method)(output, input)
+
+        lib.impl(op_name, kernel, "CPU")
+    _CPU_LIB = lib
+
+
 def init_sglang_distributed(
     rank: int = 0,
     world_size: int = 1,
@@ -168,6 +205,8 @@ def init_sglang_distributed(
     set_global_server_args_for_scheduler(server_args)
 
     _disable_fast_paths(use_pynccl=(backend == "nccl"))
+    if backend != "nccl":
+        _register_cpu_collectives()
 
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.layers.dp_attention import initialize_dp_attention

@@ -15,7 +15,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Dict, List, Optional, Sequence
 
-from harness.sglang_cpu import TinyConfig, build_tiny_deepseek, fusion_mode, run_model
+from harness.sglang_cpu import (
+    TinyConfig,
+    attn_tp_input_scattered,
+    build_tiny_deepseek,
+    fusion_mode,
+    run_model,
+)
 
 _MODELS: Dict[TinyConfig, Any] = {}
 
@@ -181,6 +187,7 @@ def capture_case(
     fusion: str = "off",
     collector_kind: str = "packer",
     mode: str = "extend",
+    input_scattered: bool = False,
     cfg: TinyConfig = TinyConfig(),
 ) -> Dict[str, Any]:
     """Runs one capture case; returns plain data for cross-rank comparison."""
@@ -190,7 +197,9 @@ def capture_case(
     ids = input_ids(num_tokens, cfg)
     refs, ref_final = reference_layer_outputs(model, ids)
     snaps = _Snapshots()
-    with fusion_mode(fusion), collector(collector_kind, snaps):
+    with fusion_mode(fusion), collector(collector_kind, snaps), attn_tp_input_scattered(
+        input_scattered
+    ):
         final, aux = run_model(model, ids, layers_to_capture, mode=mode)
     packed = as_packed(aux)
     expected = [refs[i] for i in sorted(set(layers_to_capture)) if i < len(refs)]
@@ -207,6 +216,7 @@ def capture_case(
         "expected": torch.cat(expected, dim=-1).cpu() if expected else None,
         "num_expected": len(expected),
         "num_captured": num_captured(aux, cfg.hidden_size),
+        "returned_packed": isinstance(aux, torch.Tensor),
         "final": final.cpu().clone(),
         "reference_final": ref_final.cpu().clone(),
         "changed_after_capture": snaps.changed_later(),
@@ -225,3 +235,69 @@ def capture_matrix(rank: int, world_size: int, cases: Sequence[Dict[str, Any]]):
         except Exception:
             out.append({"rank": rank, "error": traceback.format_exc()})
     return out
+
+
+def ag_after_qlora_capture(rank: int, world_size: int, num_tokens_per_rank: int = 3):
+    """A layer whose input is SCATTERED (a2a MoE) with SGLANG_USE_AG_AFTER_QLORA: the
+    communicator's attention input stays scattered; the capture must be gathered.
+
+    Returns (captured, expected full residual) as CPU tensors.
+    """
+    import unittest.mock as mock
+
+    import torch
+    from sglang.srt.layers import communicator as comm_mod
+    from sglang.srt.layers.communicator import (
+        LayerCommunicator,
+        LayerScatterModes,
+        ScatterMode,
+    )
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    from harness.sglang_cpu import device, install_cpu_norm, has_real_kernels, make_forward_batch
+
+    hidden = 16
+    modes = LayerScatterModes(
+        layer_input_mode=ScatterMode.SCATTERED,
+        attn_mode=ScatterMode.TP_ATTN_FULL,
+        mlp_mode=ScatterMode.SCATTERED,
+        middle_residual_mode=ScatterMode.SCATTERED,
+        layer_output_mode=ScatterMode.SCATTERED,
+    )
+    norms = torch.nn.ModuleList([RMSNorm(hidden), RMSNorm(hidden)]).to(torch.float64)
+    norms.to(device())
+    if not has_real_kernels():
+        install_cpu_norm(norms)
+    with mock.patch.object(comm_mod, "_use_ag_after_qlora", True):
+        comm = LayerCommunicator(
+            layer_scatter_modes=modes,
+            input_layernorm=norms[0],
+            post_attention_layernorm=norms[1],
+        )
+    total = num_tokens_per_rank * world_size
+    full_h = torch.arange(total * hidden, dtype=torch.float64).reshape(total, hidden) % 7
+    full_r = torch.arange(total * hidden, dtype=torch.float64).reshape(total, hidden) % 5
+    sl = slice(rank * num_tokens_per_rank, (rank + 1) * num_tokens_per_rank)
+    h = full_h[sl].clone().to(device())
+    r = full_r[sl].clone().to(device())
+    fb = make_forward_batch(torch.zeros(num_tokens_per_rank, dtype=torch.int64, device=device()))
+    from sglang.srt.layers.dp_attention import _DpGatheredBufferWrapper as dp_buf
+
+    saved = {k: getattr(dp_buf, k, None) for k in
+             ("_hidden_size", "_dtype", "_device", "_global_dp_buffer_len",
+              "_local_dp_buffer_len", "_dp_max_padding", "_global_num_tokens")}
+    try:
+        dp_buf.set_metadata(hidden, torch.float64, torch.device(device()))
+        dp_buf.set_dp_buffer_len(total, total, False)
+        captured = []
+        hs, _ = comm.prepare_attn_and_capture_last_layer_outputs(
+            h, r, fb, captured_last_layer_outputs=captured
+        )
+    finally:
+        for k, v in saved.items():
+            setattr(dp_buf, k, v)
+    return {
+        "attn_input_rows": int(hs.shape[0]),
+        "captured": captured[0].cpu().clone(),
+        "expected": (full_h + full_r),
+    }

@@ -91,3 +91,15 @@ def test_captures_equal_layer_outputs(tiny_model, name, num_tokens):
     in_loop = [refs[i] for i in sorted(set(layers)) if i < n]
     assert torch.equal(packed[:, : 16 * len(in_loop)], torch.cat(in_loop, dim=-1))
     assert torch.equal(final, ref_final), "capturing must not change the final hidden states"
+
+
+@pytest.mark.guards("aux-packer")
+@pytest.mark.parametrize("name", ["eagle3-default", "dflash"])
+def test_model_hands_over_one_packed_tensor(tiny_model, name):
+    """deepseek_v2 collects with the packer: the model returns one [T, K * H] tensor
+    (the buffer the captures were written into), not a list for the logits
+    processor to concatenate."""
+    layers = layer_sets(len(tiny_model.layers))[name]
+    _, aux = run_model(tiny_model, input_ids(5), layers)
+    assert isinstance(aux, torch.Tensor), f"model returned {type(aux).__name__}, not a packed tensor"
+    assert aux.shape == (5, 16 * len(set(layers)))

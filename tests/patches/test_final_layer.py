@@ -75,12 +75,16 @@ def test_idle_batch_captures_zero_tokens(tiny_model):
 
 def test_non_last_pipeline_stage_does_not_capture_the_end_layer(tiny_model):
     """With pipeline parallelism only the last stage captures its end layer: an
-    earlier stage hands hidden_states/residual on and the next stage captures them
-    at its first layer."""
+    earlier stage hands hidden_states/residual on (the next stage captures them at its
+    first layer), and must not try to append a final capture nor finalize."""
     from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 
     n = len(tiny_model.layers)
+    ids = input_ids(3)
+    refs, _ = reference_layer_outputs(tiny_model, ids)
     pp = mock.MagicMock(is_last_rank=False, is_first_rank=True)
     with mock.patch.object(tiny_model, "pp_group", pp):
-        out = run_model(tiny_model, input_ids(3), [2, n])[0]
+        out = run_model(tiny_model, ids, [2, n])[0]
     assert isinstance(out, PPProxyTensors)
+    handed_on = out["hidden_states"] + out["residual"]
+    assert torch.equal(handed_on, refs[n]), "the stage hands the last layer's output on"
