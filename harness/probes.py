@@ -560,11 +560,60 @@ def probe_dsv2_capture_final_layer(tree: SourceTree) -> ProbeResult:
     return r
 
 
+def probe_capture_gather_scattered(tree: SourceTree) -> ProbeResult:
+    """D: the communicator's capture gathers an input-scattered residual.
+
+    Present when ``LayerCommunicator.prepare_attn_and_capture_last_layer_outputs`` (or a
+    ``self.<method>()`` it calls for the capture, other than ``prepare_attn``, whose own
+    reduce-scatter does not count) refers to ``input_scattered`` and performs an
+    all-gather. Inconclusive when upstream has replaced ``LayerCommunicator``.
+    """
+    r = ProbeResult("capture-gather-scattered", None)
+    cls = find_class(tree.parse(COMMUNICATOR), "LayerCommunicator")
+    if cls is None:
+        r.evidence.append(
+            f"{COMMUNICATOR}: no LayerCommunicator (rewritten upstream); decide with the "
+            "patch's regression tests"
+        )
+        return r
+    ms = methods(cls)
+    cap = ms.get(CAPTURE_METHOD)
+    if cap is None:
+        r.found = False
+        r.evidence.append(f"{COMMUNICATOR}: LayerCommunicator has no {CAPTURE_METHOD}")
+        return r
+    seen: set[str] = set()
+    todo = [CAPTURE_METHOD]
+    ids: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in ms or name == "prepare_attn":
+            continue
+        seen.add(name)
+        ids |= identifiers(ms[name])
+        todo.extend(self_calls(ms[name]))
+    gathers = {i for i in ids if "all_gather" in i}
+    if "input_scattered" in ids and gathers:
+        r.found = True
+        r.evidence.append(
+            f"{COMMUNICATOR}: capture path ({', '.join(sorted(seen))}) checks input_scattered "
+            f"and gathers ({', '.join(sorted(gathers))})"
+        )
+    else:
+        r.found = False
+        r.evidence.append(
+            f"{COMMUNICATOR}: capture path ({', '.join(sorted(seen))}) does not gather an "
+            "input-scattered residual"
+        )
+    return r
+
+
 PROBES: dict[str, Callable[[SourceTree], ProbeResult]] = {
     "comm-readonly-residual": probe_comm_readonly_residual,
     "dsv2-capture-after-allreduce": probe_dsv2_capture_after_allreduce,
     "aux-packer": probe_aux_packer,
     "dsv2-capture-final-layer": probe_dsv2_capture_final_layer,
+    "capture-gather-scattered": probe_capture_gather_scattered,
 }
 
 

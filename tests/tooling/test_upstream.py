@@ -40,25 +40,29 @@ from .test_upstream_fixtures import (
 ALL = A_EDITS + A2_EDITS + B_EDITS + C_EDITS
 
 
+FIXTURE_PROBES = ["comm-readonly-residual", "dsv2-capture-after-allreduce", "aux-packer",
+                  "dsv2-capture-final-layer"]
+
+
 def verdicts(files: dict[str, str]) -> dict[str, bool | None]:
     t = DictTree(files)
-    return {pid: fn(t).found for pid, fn in PROBES.items()}
+    return {pid: PROBES[pid](t).found for pid in FIXTURE_PROBES}
 
 
 # ---------------------------------------------------------------- probes
 
 
 def test_probes_on_pin_are_absent():
-    assert verdicts(pin_files()) == {pid: False for pid in PROBES}
+    assert verdicts(pin_files()) == {pid: False for pid in FIXTURE_PROBES}
 
 
 def test_probes_on_fully_patched_sources_are_present():
-    assert verdicts(apply_edits(pin_files(), ALL)) == {pid: True for pid in PROBES}
+    assert verdicts(apply_edits(pin_files(), ALL)) == {pid: True for pid in FIXTURE_PROBES}
 
 
 def test_each_probe_only_sees_its_own_change():
     files = pin_files()
-    expected = {pid: False for pid in PROBES}
+    expected = {pid: False for pid in FIXTURE_PROBES}
     for pid, edits in [("comm-readonly-residual", A_EDITS), ("dsv2-capture-after-allreduce", A2_EDITS),
                        ("aux-packer", B_EDITS), ("dsv2-capture-final-layer", C_EDITS)]:
         files = apply_edits(files, edits)
@@ -172,7 +176,7 @@ def test_probe_reads_wheel_zip(tmp_path: Path):
     make_wheel(w, "9.9", apply_edits(pin_files(), ALL))
     t = ZipTree(w)
     try:
-        assert all(fn(t).found for fn in PROBES.values())
+        assert all(PROBES[pid](t).found for pid in FIXTURE_PROBES)
     finally:
         t.close()
 
@@ -354,6 +358,11 @@ def test_probes_on_real_releases():
         "0.5.23": {"comm-readonly-residual": True, "dsv2-capture-after-allreduce": True,
                    "aux-packer": True, "dsv2-capture-final-layer": False},
     }
+    # capture-gather-scattered: absent while LayerCommunicator exists, undecidable after
+    # upstream replaced it (0.5.21+)
+    for v, d in {"0.5.13.post1": False, "0.5.14": False, "0.5.16": False, "0.5.17": False,
+                 "0.5.23": None}.items():
+        expect.setdefault(v, {})["capture-gather-scattered"] = d
     for v, exp in expect.items():
         w = _real_wheel(v)
         if w is None:  # online mode: fetch through the index into the cache
@@ -368,3 +377,41 @@ def test_probes_on_real_releases():
         finally:
             t.close()
         assert got == exp, v
+
+
+_COMM_D = """
+class LayerCommunicator:
+    def prepare_attn(self, hidden_states, residual, forward_batch, quant_format=""):
+        if get_attn_tp_context().input_scattered:
+            hidden_states, residual = self._tp_reduce_scatter(hidden_states, residual)
+        return hidden_states, residual
+
+    def prepare_attn_and_capture_last_layer_outputs(self, h, r, fb, captured_last_layer_outputs=None, quant_format=""):
+        h, r = self.prepare_attn(h, r, fb, quant_format=quant_format)
+        if captured_last_layer_outputs is not None:
+            out = %s
+            captured_last_layer_outputs.append(out)
+        return h, r
+%s
+"""
+_GATHER = """
+    def _gather_last_layer_output(self, residual, fb):
+        if get_attn_tp_context().input_scattered:
+            out = residual.new_empty((fb.input_ids.shape[0], residual.shape[-1]))
+            get_tp_group().all_gather_into_tensor(out, residual)
+            return out
+        return residual
+"""
+
+
+def test_gather_scattered_probe():
+    probe = PROBES["capture-gather-scattered"]
+    rel = "sglang/srt/layers/communicator.py"
+    # prepare_attn's own reduce-scatter on input_scattered does not count
+    absent = DictTree({rel: _COMM_D % ("self._communicate_simple_fn(r, fb)", "")})
+    assert probe(absent).found is False
+    present = DictTree({rel: _COMM_D % ("self._gather_last_layer_output(r, fb)", _GATHER)})
+    res = probe(present)
+    assert res.found is True and "all_gather_into_tensor" in res.evidence[0]
+    # LayerCommunicator rewritten upstream: decided by the regression tests instead
+    assert probe(DictTree({rel: "x = 1\n"})).found is None
