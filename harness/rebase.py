@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness import HarnessError
+from harness import HarnessError, patchset
 from harness.common import (
     Layout,
     git,
@@ -179,8 +178,6 @@ def rebase(lay: Layout, version: str, dry_run: bool = False, force: bool = False
             "series_id": series_id(lay), "source": "wheel", "pin_version": version,
             "patches": [p.name for p in applied], **info, "head": head,
         }
-        import harness.patchset as patchset
-
         if getattr(patchset, "TOOL_VERSION", None) is not None:
             state["tool"] = patchset.TOOL_VERSION
         if result["status"] != "ok":
@@ -189,10 +186,10 @@ def rebase(lay: Layout, version: str, dry_run: bool = False, force: bool = False
         if lay.tree.exists():
             old_tree = lay.build / f".sglang-old-{os.getpid()}"
             lay.tree.rename(old_tree)
-            shutil.rmtree(old_tree, onerror=_force_remove)
+            shutil.rmtree(old_tree, onerror=patchset._force_remove)
         work.rename(lay.tree)
     finally:
-        shutil.rmtree(tmp, onerror=_force_remove)
+        shutil.rmtree(tmp, onerror=patchset._force_remove)
     if result["status"] == "ok":
         from harness.export import export_patches
 
@@ -228,15 +225,7 @@ def _report(lay: Layout, result: dict[str, Any], dry_run: bool = False) -> None:
     progress("  # edit the files using the .rej hunks, then remove the .rej files")
     progress("  git add -A && git am --continue      # later patches continue; repeat on the next stop")
     progress("  # (or `git am --skip` to drop this patch if upstream already has it)")
-    progress(f"  cd - && make export-patches           # writes the refreshed series to patches/")
+    progress("  cd - && make export-patches           # writes the refreshed series to patches/")
     if c["pending"]:
         progress(f"still to apply after it: {', '.join(c['pending'])}")
     progress("pin.json and patches/series already point at the new release.")
-
-
-def _force_remove(func, path, _exc):  # type: ignore[no-untyped-def]
-    try:
-        os.chmod(path, stat.S_IWRITE | stat.S_IREAD | stat.S_IEXEC)
-        func(path)
-    except OSError:
-        pass

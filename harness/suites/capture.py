@@ -155,7 +155,6 @@ def collector(kind: str, snapshots: Optional[_Snapshots] = None):
 
 def reference_layer_outputs(model, ids) -> List[Any]:
     """Complete output of every layer (index i = input of layer i), fusion off."""
-    import torch
 
     outputs: List[Any] = []
 

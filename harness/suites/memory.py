@@ -19,7 +19,6 @@ allocator's peak on GPU.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Dict
 

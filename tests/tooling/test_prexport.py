@@ -12,19 +12,12 @@ import pytest
 from harness.common import layout
 from harness.prexport import pr_export, strip_trailers, template_for
 
-from .test_upstream_fixtures import PIN, Index, make_root, run_git
+from .test_upstream_fixtures import PIN, run_git, served_root
 
 
 @pytest.fixture
 def fixture_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    root = tmp_path / "repo"
-    root.mkdir()
-    wheels = make_root(root)
-    monkeypatch.setenv("HARNESS_ROOT", str(root))
-    monkeypatch.setenv("HARNESS_NET_TIMEOUT", "5")
-    monkeypatch.delenv("HARNESS_CACHE", raising=False)
-    with Index(wheels) as idx:
-        monkeypatch.setenv("HARNESS_INDEX_URL", idx.url)
+    with served_root(tmp_path, monkeypatch) as (root, wheels):
         yield root, wheels
 
 

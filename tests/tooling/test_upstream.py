@@ -21,6 +21,7 @@ from harness.upstream import (
 )
 
 from .test_upstream_fixtures import (
+    FIXTURE_PROBES,
     A2_EDITS,
     A_EDITS,
     AUX,
@@ -38,10 +39,6 @@ from .test_upstream_fixtures import (
 )
 
 ALL = A_EDITS + A2_EDITS + B_EDITS + C_EDITS
-
-
-FIXTURE_PROBES = ["comm-readonly-residual", "dsv2-capture-after-allreduce", "aux-packer",
-                  "dsv2-capture-final-layer"]
 
 
 def verdicts(files: dict[str, str]) -> dict[str, bool | None]:

@@ -3,6 +3,7 @@ rebase and pr-export tests (offline: a local PEP 691 index over HTTP)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import json
@@ -381,3 +382,24 @@ class Index:
     def __exit__(self, *exc) -> None:
         self.srv.shutdown()
         self.srv.server_close()
+
+
+@contextlib.contextmanager
+def served_root(tmp_path, monkeypatch):
+    """A fixture repo root (pin + series) with its wheels served by a local index;
+    HARNESS_ROOT / HARNESS_INDEX_URL point at them. Yields (root, wheels)."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    wheels = make_root(root)
+    monkeypatch.setenv("HARNESS_ROOT", str(root))
+    monkeypatch.setenv("HARNESS_NET_TIMEOUT", "5")
+    monkeypatch.delenv("HARNESS_CACHE", raising=False)
+    with Index(wheels) as idx:
+        monkeypatch.setenv("HARNESS_INDEX_URL", idx.url)
+        yield root, wheels
+
+
+# The four probes the synthetic fixture series exercises (capture-gather-scattered has
+# its own fixture in test_upstream.py).
+FIXTURE_PROBES = ["comm-readonly-residual", "dsv2-capture-after-allreduce", "aux-packer",
+                  "dsv2-capture-final-layer"]

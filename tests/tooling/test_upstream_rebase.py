@@ -12,19 +12,12 @@ from harness.common import layout, load_pin, read_series
 from harness.probes import PROBES, DirTree
 from harness.rebase import rebase
 
-from .test_upstream_fixtures import Index, make_root, run_git
+from .test_upstream_fixtures import FIXTURE_PROBES, run_git, served_root
 
 
 @pytest.fixture
 def fixture_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    root = tmp_path / "repo"
-    root.mkdir()
-    wheels = make_root(root)
-    monkeypatch.setenv("HARNESS_ROOT", str(root))
-    monkeypatch.setenv("HARNESS_NET_TIMEOUT", "5")
-    monkeypatch.delenv("HARNESS_CACHE", raising=False)
-    with Index(wheels) as idx:
-        monkeypatch.setenv("HARNESS_INDEX_URL", idx.url)
+    with served_root(tmp_path, monkeypatch) as (root, _wheels):
         yield root
 
 
@@ -58,7 +51,7 @@ def test_rebase_clean(fixture_root):
     from harness.patchset import apply_patches
 
     assert apply_patches(lay) == "up to date"
-    found = {pid: fn(DirTree(tree / "python")).found for pid, fn in PROBES.items()}
+    found = {pid: PROBES[pid](DirTree(tree / "python")).found for pid in FIXTURE_PROBES}
     assert all(found.values())
 
 
