@@ -176,7 +176,6 @@ def fusion_mode(mode: str) -> Iterator[None]:
     """
     if mode not in FUSION_MODES:
         raise ValueError(f"fusion mode {mode!r} not in {FUSION_MODES}")
-    from sglang.srt.distributed import parallel_state
     from sglang.srt.layers import communicator, flashinfer_comm_fusion, layernorm
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
     from sglang.srt.server_args import get_global_server_args
@@ -227,7 +226,6 @@ def fusion_mode(mode: str) -> Iterator[None]:
             "tensor_model_parallel_fused_allreduce_rmsnorm",
             cpu_aiter_fused_allreduce_rmsnorm,
         )
-        del parallel_state
     try:
         yield
     finally:
@@ -310,12 +308,10 @@ def _make_mlp_cls(cfg: TinyConfig, tp_rank: int, tp_size: int):
         down projection all-reduces unless the layer defers it (fusion / reduce-scatter),
         as RowParallelLinear(skip_all_reduce=...) does."""
 
-        _next_id = 0
-
-        def __init__(self, *_, **__):
+        def __init__(self, *_, prefix: str = "", **__):
             torch.nn.Module.__init__(self)
-            layer_id = StandInMLP._next_id
-            StandInMLP._next_id += 1
+            # DeepseekV2DecoderLayer builds its MLP with prefix "...layers.<id>.mlp".
+            layer_id = int(prefix.split(".")[-2])
             self._init_shards(cfg.seed, 10 * layer_id + 5, cfg.hidden_size,
                               cfg.intermediate_size, tp_rank, tp_size, dtype)
 
@@ -396,14 +392,11 @@ def build_tiny_deepseek(cfg: TinyConfig = TinyConfig()):
         emb = model.embed_tokens.weight
         full = (_full_weight(cfg.seed, 999, (cfg.vocab_size, cfg.hidden_size)) * 3).to(emb.device)
         # VocabParallelEmbedding shards the vocab; pick this rank's rows.
-        start = getattr(model.embed_tokens, "shard_indices", None)
-        if start is not None and emb.shape[0] != full.shape[0]:
-            s = model.embed_tokens.shard_indices
-            rows = full[s.org_vocab_start_index : s.org_vocab_end_index]
-            emb.zero_()
-            emb[: rows.shape[0]].copy_(rows.to(dtype))
-        else:
-            emb.copy_(full[: emb.shape[0]].to(dtype))
+        shard = getattr(model.embed_tokens, "shard_indices", None)
+        if shard is not None:
+            full = full[shard.org_vocab_start_index : shard.org_vocab_end_index]
+        emb.zero_()
+        emb[: full.shape[0]].copy_(full.to(dtype))
     if not has_real_kernels():
         install_cpu_norm(model)
     return model
