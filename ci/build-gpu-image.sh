@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-SID=$("$PY" -c 'from harness.common import series_id; print(series_id())')
+SID=$("$PY" -c 'from harness.patchset.series import series_id; print(series_id())')
 GPU_BASE=${GPU_BASE:-lmsysorg/sglang:v0.5.13.post1}
 TAG=${GPU_IMAGE:-auxcap/gpu:$SID}
 TMP="$TAG-build$$"

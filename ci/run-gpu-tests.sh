@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ -z "${GPU_IMAGE:-}" ]; then
     if [ -s build/gpu-image.txt ]; then GPU_IMAGE=$(cat build/gpu-image.txt)
-    else GPU_IMAGE="auxcap/gpu:$("$PY" -c 'from harness.common import series_id; print(series_id())')"; fi
+    else GPU_IMAGE="auxcap/gpu:$("$PY" -c 'from harness.patchset.series import series_id; print(series_id())')"; fi
 fi
 TPS=${TPS:-"1 2 4"}
 OUT=${RESULTS_DIR:-build/results/gpu}

@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 DOCKER=${AUXCAP_DOCKER:-docker}
 if [ -x /usr/bin/docker ] && ! docker buildx version >/dev/null 2>&1; then DOCKER=/usr/bin/docker; fi
 export DOCKER_BUILDKIT=1
-SID=$("$PY" -c 'from harness.common import series_id; print(series_id())')
+SID=$("$PY" -c 'from harness.patchset.series import series_id; print(series_id())')
 CA=${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}
 secret=(); if [ -s "$CA" ]; then secret=(--secret "id=ca,src=$CA"); fi
 [ -d build/sglang/.git ] || { echo "error: build/sglang missing: run make apply-patches first" >&2; exit 2; }

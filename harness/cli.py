@@ -14,21 +14,21 @@ from harness import HarnessError
 
 # verb -> (module, help)
 COMMANDS = {
-    "apply-patches": ("harness.patchset", "fetch + verify the pin, apply the series to build/sglang"),
-    "export-patches": ("harness.export", "regenerate patches/ from the commits in build/sglang"),
-    "check-patches": ("harness.check", "lint the series and metadata, zero-fuzz apply, round trip, style"),
-    "build-wheel": ("harness.build", "build the patched, installable sglang wheel into build/dist"),
-    "install-wheel": ("harness.build_install", "install the patched wheel into the running interpreter's env"),
-    "lock": ("harness.lock", "re-resolve requirements/test.lock with uv (hashes, pinned)"),
-    "test": ("harness.testcmd", "run the CPU suites with pytest-xdist"),
-    "test-gpu": ("harness.testcmd_gpu", "run the suites on CUDA/NCCL"),
-    "ablation": ("harness.ablation", "run each regression test without its patch (must fail) and with it"),
-    "bench": ("harness.bench", "memory benchmark: list+cat vs packer"),
-    "docker-base": ("harness.docker", "build the Debian base image locally (debootstrap)"),
-    "docker-test": ("harness.docker_test", "build the CPU image and run the suites inside"),
-    "upstream-status": ("harness.upstream", "which patches later SGLang releases already carry"),
-    "rebase": ("harness.rebase", "move the pin to another release and re-apply the series"),
-    "pr-export": ("harness.prexport", "write an upstream PR bundle per upstream-bound patch"),
+    "apply-patches": ("harness.patchset.apply", "fetch + verify the pin, apply the series to build/sglang"),
+    "export-patches": ("harness.patchset.export", "regenerate patches/ from the commits in build/sglang"),
+    "check-patches": ("harness.patchset.check", "lint the series and metadata, zero-fuzz apply, round trip, style"),
+    "build-wheel": ("harness.patchset.wheel", "build the patched, installable sglang wheel into build/dist"),
+    "install-wheel": ("harness.patchset.install", "install the patched wheel into the running interpreter's env"),
+    "lock": ("harness.patchset.lock", "re-resolve requirements/test.lock with uv (hashes, pinned)"),
+    "test": ("harness.suites.test", "run the CPU suites with pytest-xdist"),
+    "test-gpu": ("harness.suites.gpu", "run the suites on CUDA/NCCL"),
+    "ablation": ("harness.suites.ablation", "run each regression test without its patch (must fail) and with it"),
+    "bench": ("harness.memory.bench", "memory benchmark: list+cat vs packer"),
+    "docker-base": ("harness.docker.base", "build the Debian base image locally (debootstrap)"),
+    "docker-test": ("harness.docker.image", "build the CPU image and run the suites inside"),
+    "upstream-status": ("harness.upstream.status", "which patches later SGLang releases already carry"),
+    "rebase": ("harness.upstream.rebase", "move the pin to another release and re-apply the series"),
+    "pr-export": ("harness.upstream.prexport", "write an upstream PR bundle per upstream-bound patch"),
 }
 
 
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for verb, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(verb, help=help_text, description=help_text)
+        p = sub.add_parser(verb, help=help_text, description=help_text, allow_abbrev=False)
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -46,21 +46,31 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(_missing=module_name)
             continue
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _passthrough=getattr(module, "PASSTHROUGH", False))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from harness.patchset.scratch import Terminated, unwind_on_signals
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "_passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # A verb with PASSTHROUGH hands what it does not know to the tool it wraps (pytest).
+    args.passthrough = extra[1:] if extra[:1] == ["--"] else extra
     if getattr(args, "_missing", None):
         print(f"error: {args.verb}: not implemented ({args._missing} missing)", file=sys.stderr)
         return 2
     try:
-        return int(args._run(args) or 0)
+        with unwind_on_signals():  # SIGTERM/SIGHUP unwind like Ctrl-C: scratch trees go
+            return int(args._run(args) or 0)
     except HarnessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Terminated as exc:
+        print(f"error: {args.verb}: stopped by {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -48,20 +48,20 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
 
-SGLANG_INIT = "harness.sglang_dist:init_sglang_distributed"
+SGLANG_INIT = "harness.ranks.sglang:init_sglang_distributed"
 
 
 @pytest.fixture(scope="session")
 def rank_pool():
     """Factory: ``rank_pool(world_size, backend=None, init_fn=SGLANG_INIT, **pool_kwargs)``.
 
-    Returns a warm ``harness.runner.RankPool`` cached per (world_size, backend, init_fn)
+    Returns a warm ``harness.ranks.RankPool`` cached per (world_size, backend, init_fn)
     for this pytest worker; a pool broken by a failed case is replaced on the next
     request. Backend: ``$HARNESS_DIST_BACKEND``, else nccl when CUDA is available, else
     gloo. Skips when nccl needs more GPUs than there are. ``pool_kwargs`` (e.g.
     ``timeout=``) only apply when a pool is created.
     """
-    from harness.runner import close_all_pools, get_pool
+    from harness.ranks import close_all_pools, get_pool
 
     def make(world_size: int, backend: str | None = None, init_fn=SGLANG_INIT, **pool_kwargs):
         if backend is None:
@@ -85,7 +85,7 @@ def rank_pool():
 @pytest.fixture(scope="session")
 def sglang_tp1():
     """SGLang's own distributed state at world size 1 (gloo), in this pytest worker."""
-    from harness.sglang_dist import init_sglang_distributed
+    from harness.ranks.sglang import init_sglang_distributed
 
     return init_sglang_distributed(rank=0, world_size=1)
 

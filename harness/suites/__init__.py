@@ -1,0 +1,2 @@
+"""Regression suites: the ``test``, ``test-gpu`` and ``ablation`` verbs, and the capture
+cases that ranks run (``capture``)."""

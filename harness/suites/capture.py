@@ -1,6 +1,6 @@
 """Aux-capture cases on SGLang's real DeepseekV2Model, runnable in any rank.
 
-Each function here is module-level so a :class:`harness.runner.RankPool` can run it
+Each function here is module-level so a :class:`harness.ranks.RankPool` can run it
 in every rank (``fn(rank, world_size, ...)``) and also in-process at TP = 1. A
 model is built once per rank and configuration and reused across cases.
 
@@ -15,13 +15,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Dict, List, Optional, Sequence
 
-from harness.sglang_cpu import (
-    TinyConfig,
-    attn_tp_input_scattered,
-    build_tiny_deepseek,
-    fusion_mode,
-    run_model,
-)
+from harness.standins.batch import attn_tp_input_scattered
+from harness.standins.blocks import TinyConfig
+from harness.standins.deepseek_v2 import build_tiny_deepseek, run_model
+from harness.standins.kernels import fusion_mode
 
 _MODELS: Dict[TinyConfig, Any] = {}
 
@@ -253,7 +250,8 @@ def ag_after_qlora_capture(rank: int, world_size: int, num_tokens_per_rank: int 
     )
     from sglang.srt.layers.layernorm import RMSNorm
 
-    from harness.sglang_cpu import device, install_cpu_norm, has_real_kernels, make_forward_batch
+    from harness.standins.batch import make_forward_batch
+    from harness.standins.kernels import device, has_real_kernels, install_cpu_norm
 
     hidden = 16
     modes = LayerScatterModes(

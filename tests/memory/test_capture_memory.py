@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from harness.suites.memory import capture_path
+from harness.memory.capture import capture_path
 
 GUARD = pytest.mark.guards("aux-packer")
 
 
 def _device():
-    from harness.sglang_cpu import device
+    from harness.standins.kernels import device
 
     return device()
 

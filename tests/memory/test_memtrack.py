@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.memtrack import CudaPeakTracker, LiveStorageTracker, make_tracker
+from harness.memory.tracker import CudaPeakTracker, LiveStorageTracker, make_tracker
 
 T, H, K = 12, 32, 4
 F32 = 4

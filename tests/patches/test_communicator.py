@@ -18,7 +18,8 @@ import unittest.mock as mock
 import pytest
 import torch
 
-from harness.sglang_cpu import fusion_mode, make_forward_batch
+from harness.standins.batch import make_forward_batch
+from harness.standins.kernels import fusion_mode
 
 GUARD = pytest.mark.guards("comm-readonly-residual")
 
@@ -29,7 +30,9 @@ def comm(tiny_model):
 
 
 def _fn(name):
-    from sglang.srt.layers.communicator import CommunicateWithAllReduceAndLayerNormFn as F
+    from sglang.srt.layers.communicator import (
+        CommunicateWithAllReduceAndLayerNormFn as F,
+    )
     from sglang.srt.layers.communicator import ScatterMode
 
     raw = getattr(F, name)

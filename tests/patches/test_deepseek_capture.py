@@ -15,13 +15,13 @@ import unittest.mock as mock
 import pytest
 import torch
 
+from harness.standins.deepseek_v2 import run_model
 from harness.suites.capture import (
     as_packed,
     input_ids,
     layer_sets,
     reference_layer_outputs,
 )
-from harness.sglang_cpu import run_model
 
 
 @pytest.mark.guards("dsv2-capture-after-allreduce")
@@ -61,8 +61,9 @@ def test_decoder_layer_forward_takes_the_collector(tiny_model):
     h = torch.randint(-3, 4, (5, 16)).to(torch.float64)
     r = torch.randint(-3, 4, (5, 16)).to(torch.float64)
     expected = h + r
-    from harness.sglang_cpu import make_forward_batch
     from sglang.srt.utils import BumpAllocator
+
+    from harness.standins.batch import make_forward_batch
 
     fb = make_forward_batch(torch.arange(5))
     collector = []

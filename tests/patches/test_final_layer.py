@@ -8,7 +8,7 @@ import unittest.mock as mock
 import pytest
 import torch
 
-from harness.sglang_cpu import run_model
+from harness.standins.deepseek_v2 import run_model
 from harness.suites.capture import (
     as_packed,
     collector,

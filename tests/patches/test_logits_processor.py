@@ -12,10 +12,9 @@ H, K, V = 16, 3, 64
 
 @pytest.fixture(scope="module")
 def lp(sglang_tp1):
-    from transformers import PretrainedConfig
-
     from sglang.srt.layers.logits_processor import LogitsProcessor
     from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+    from transformers import PretrainedConfig
 
     config = PretrainedConfig(vocab_size=V, hidden_size=H)
     head = ParallelLMHead(V, H)
@@ -26,7 +25,10 @@ def lp(sglang_tp1):
 
 def _metadata(case, capture):
     from sglang.srt.layers.logits_processor import LogitsMetadata
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        ForwardMode,
+    )
 
     mode = {"full": CaptureHiddenMode.FULL, "last": CaptureHiddenMode.LAST}[capture]
     if case == "decode":

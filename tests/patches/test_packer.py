@@ -145,6 +145,6 @@ def test_communicator_skips_clone_for_a_collector_that_copies(sglang_tp1, tiny_m
 
 
 def _fb(n):
-    from harness.sglang_cpu import make_forward_batch
+    from harness.standins.batch import make_forward_batch
 
     return make_forward_batch(torch.arange(n))

@@ -1,0 +1,5 @@
+import sys
+
+from harness.docker.inside import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""``bench``: memory benchmark of the aux-capture path, list + cat against the packer.
+
+Measured side by side in one run, per token count: peak bytes of each path over
+baseline (exact live-storage bytes on CPU, the CUDA allocator's peak on GPU), the
+ratio packer / list, and the bytes copied per forward (clone + copy_ + cat).
+Writes build/results/bench/memory.json and memory.md. Not a test: no thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from harness.patchset.layout import layout
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192])
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from harness.memory.capture import capture_path
+    from harness.ranks.sglang import init_sglang_distributed
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    init_sglang_distributed(rank=0, world_size=1)
+    rows = []
+    for tokens in args.tokens:
+        t0 = time.monotonic()
+        lst = capture_path("list", tokens, args.hidden, args.k, args.dtype, device)
+        pk = capture_path("packer", tokens, args.hidden, args.k, args.dtype, device)
+        rows.append({
+            "tokens": tokens,
+            "capture_bytes": lst["capture_bytes"],
+            "list_peak_bytes": lst["peak_bytes"],
+            "packer_peak_bytes": pk["peak_bytes"],
+            "ratio_packer_over_list": pk["peak_bytes"] / lst["peak_bytes"] if lst["peak_bytes"] else None,
+            "list_copied_bytes": lst["copied_bytes"],
+            "packer_copied_bytes": pk["copied_bytes"],
+            "seconds": round(time.monotonic() - t0, 2),
+        })
+        print(f"[bench] T={tokens}: list peak {_mib(lst['peak_bytes'])} MiB, "
+              f"packer peak {_mib(pk['peak_bytes'])} MiB", flush=True)
+    meta = {"hidden": args.hidden, "k": args.k, "dtype": args.dtype, "device": device,
+            "tracker": "live-storage (exact)" if device == "cpu" else "CUDA allocator peak",
+            "torch": torch.__version__}
+    out = layout().build / "results" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [
+        f"Aux-capture path peak memory, H={args.hidden}, K={args.k}, {args.dtype}, {device} "
+        f"({meta['tracker']}); MiB over baseline.",
+        "",
+        "| T | captures (K*T*H) | list+cat peak | packer peak | packer/list | copied list | copied packer |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = "n/a" if r["ratio_packer_over_list"] is None else f"{r['ratio_packer_over_list']:.3f}"
+        lines.append(
+            f"| {r['tokens']} | {_mib(r['capture_bytes'])} | {_mib(r['list_peak_bytes'])} | "
+            f"{_mib(r['packer_peak_bytes'])} | {ratio} | {_mib(r['list_copied_bytes'])} | "
+            f"{_mib(r['packer_copied_bytes'])} |"
+        )
+    md = "\n".join(lines) + "\n"
+    (out / "memory.md").write_text(md)
+    print(md)
+    print(f"[bench] wrote {layout().rel(out / 'memory.json')} and memory.md")
+    return 0

@@ -1,0 +1,209 @@
+"""``check-patches``: series + metadata lint, zero-fuzz apply, round trip, style.
+
+Every problem is reported on its own line; the exit status is 1 if there was any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import ROOT, HarnessError, progress
+from harness.patchset.layout import Layout, layout
+from harness.patchset.pin import load_pin
+from harness.patchset.scratch import scratch as scratch_dir
+from harness.patchset.series import parse_series, patch_files, patch_message
+
+# How SGLang's own formatters are run (its .pre-commit-config is not in the wheel; these
+# options leave the pristine pin's files unchanged with the versions in style.in).
+STYLE_ARGS = {
+    "black": ["black", "--check"],
+    "isort": ["isort", "--profile", "black", "-p", "sglang", "--check-only", "--quiet"],
+    "codespell": ["codespell_lib", "--ignore-words-list", "mis"],
+    # SGLang's pre-commit runs ruff for unused imports / undefined names.
+    "ruff": ["ruff", "check", "--no-cache", "--select", "F401,F821"],
+}
+REQUIRED_TRAILERS = ("Patch-Id", "Origin", "Forwarded", "Upstream-Status", "Drop-In")
+PATCH_ID_RE = re.compile(r"^[a-z0-9-]+$")
+DROP_IN_RE = re.compile(r"^(none|\d+(\.\d+)*(\.?post\d+|rc\d+)?)$")
+
+
+def style_tools(lay: Layout) -> list[tuple[str, str]]:
+    """[(module, version)] pinned in requirements/style.in (the one place they are set)."""
+    path = lay.root / "requirements" / "style.in"
+    if not path.exists():
+        path = ROOT / "requirements" / "style.in"
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if "==" in line:
+                name, ver = line.split("==", 1)
+                out.append((name.strip(), ver.strip()))
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-apply", action="store_true", help="lint only: skip the apply/round-trip/style steps")
+    p.add_argument("--no-style", action="store_true", help="skip black/isort/codespell")
+
+
+def run(args: argparse.Namespace) -> int:
+    problems = check_patches(layout(), apply=not args.no_apply, style=not args.no_style)
+    for p in problems:
+        print(f"problem: {p}", file=sys.stderr)
+    if problems:
+        print(f"check-patches: {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    print("check-patches: ok")
+    return 0
+
+
+def lint_series(lay: Layout) -> tuple[list[str], list[str]]:
+    problems: list[str] = []
+    if not lay.series_file.exists():
+        return [f"{lay.rel(lay.series_file)}: missing"], []
+    _, names = parse_series(lay.series_file.read_text())
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            problems.append(f"series: {n} listed more than once")
+        seen.add(n)
+        if not (lay.patches / n).exists():
+            problems.append(f"series: {n} listed but missing")
+    for f in sorted(lay.patches.glob("*.patch")):
+        if f.name not in seen:
+            problems.append(f"series: {f.name} exists but is not listed")
+    return problems, [n for i, n in enumerate(names) if n not in names[:i]]
+
+
+def lint_metadata(lay: Layout, names: list[str]) -> list[str]:
+    problems = []
+    ids: dict[str, str] = {}
+    for n in names:
+        path = lay.patches / n
+        if not path.exists():
+            continue
+        subject, _, tr = patch_message(path.read_text(errors="replace"))
+        if not subject:
+            problems.append(f"{n}: no Subject")
+        for key in REQUIRED_TRAILERS:
+            if not tr.get(key):
+                problems.append(f"{n}: missing trailer {key}:")
+        pid = tr.get("Patch-Id")
+        if pid:
+            if not PATCH_ID_RE.match(pid):
+                problems.append(f"{n}: Patch-Id {pid!r} must match [a-z0-9-]+")
+            if pid in ids:
+                problems.append(f"{n}: Patch-Id {pid} also used by {ids[pid]}")
+            ids[pid] = n
+        fwd = tr.get("Forwarded")
+        if fwd and fwd not in ("yes", "no"):
+            problems.append(f"{n}: Forwarded must be yes or no, not {fwd!r}")
+        origin = tr.get("Origin")
+        if origin and not re.match(r"^(upstream, https?://\S+|new(, port of https?://\S+)?)$", origin):
+            problems.append(f"{n}: Origin must be 'upstream, URL', 'new' or 'new, port of URL', not {origin!r}")
+        drop = tr.get("Drop-In")
+        if drop and not DROP_IN_RE.match(drop):
+            problems.append(f"{n}: Drop-In must be a version or 'none', not {drop!r}")
+    return problems
+
+
+def check_apply_and_roundtrip(lay: Layout, names: list[str], scratch: Path) -> tuple[list[str], Path | None]:
+    """Apply into a scratch tree (zero fuzz), export into a scratch dir, byte-compare."""
+    from harness.patchset.apply import build_tree
+    from harness.patchset.export import format_patches
+
+    pin = load_pin(lay)
+    tree = scratch / "sglang"
+    try:
+        build_tree(lay, tree, pin, "wheel", [lay.patches / n for n in names], verbose=False)
+    except HarnessError as exc:
+        return [f"apply: {exc}"], None
+    problems = []
+    from harness.patchset.pin import base_tag
+
+    out = format_patches(tree, base_tag(pin), scratch / "export")
+    exported = [p.name for p in out]
+    if exported != names:
+        problems.append(f"round trip: export names {exported} differ from series {names}")
+    for p in out:
+        orig = lay.patches / p.name
+        if orig.exists() and not filecmp.cmp(p, orig, shallow=False):
+            problems.append(f"round trip: {p.name} differs after apply+export; run `make export-patches`")
+    return problems, tree
+
+
+def check_prefixes(lay: Layout, tree: Path, names: list[str]) -> list[str]:
+    """Every prefix of the series must compile: each touched .py file, at each commit."""
+    from harness.patchset.git import git
+    from harness.patchset.pin import base_tag
+
+    pin = load_pin(lay)
+    commits = git(tree, "rev-list", "--reverse", f"{base_tag(pin)}..HEAD").stdout.split()
+    problems = []
+    touched: list[str] = []
+    for name, commit in zip(names, commits):
+        for f in patch_files((lay.patches / name).read_text(errors="replace")):
+            if f.endswith(".py") and f not in touched:
+                touched.append(f)
+        for f in touched:
+            proc = subprocess.run(["git", "-C", str(tree), "show", f"{commit}:{f}"],
+                                  capture_output=True)
+            if proc.returncode != 0:
+                continue  # deleted at this prefix
+            try:
+                compile(proc.stdout, f, "exec")
+            except SyntaxError as exc:
+                problems.append(f"prefix: after {name}: {f}:{exc.lineno}: does not compile: {exc.msg}")
+    return problems
+
+
+def check_style(lay: Layout, tree: Path, names: list[str]) -> list[str]:
+    problems = []
+    files: list[str] = []
+    for n in names:
+        for f in patch_files((lay.patches / n).read_text(errors="replace")):
+            if f.endswith(".py") and (tree / f).exists() and f not in files:
+                files.append(f)
+    if not files:
+        return []
+    cmds = {name: [sys.executable, "-m", *argv] for name, argv in STYLE_ARGS.items()}
+    for name, version in style_tools(lay):
+        mod = "codespell_lib" if name == "codespell" else name
+        if importlib.util.find_spec(mod) is None:
+            progress(f"  style: {name} not installed, skipped (pinned {version})")
+            continue
+        try:
+            from importlib.metadata import version as dist_version
+
+            have = dist_version(name)
+        except Exception:  # noqa: BLE001
+            have = "?"
+        if have != version:
+            progress(f"  style: {name} {have} installed, {version} pinned")
+        for f in files:
+            proc = subprocess.run(cmds[name] + [f], cwd=tree, capture_output=True, text=True)
+            if proc.returncode != 0:
+                lines = [x for x in (proc.stdout + proc.stderr).strip().splitlines() if not x.startswith("Oh no")]
+                problems.append(f"style: {name}: {f}: " + (lines[0] if lines else f"exit {proc.returncode}"))
+    return problems
+
+
+def check_patches(lay: Layout, apply: bool = True, style: bool = True) -> list[str]:
+    problems, names = lint_series(lay)
+    problems += lint_metadata(lay, names)
+    if apply and all((lay.patches / n).exists() for n in names):
+        with scratch_dir(lay.build, "check") as tmp:
+            more, tree = check_apply_and_roundtrip(lay, names, tmp)
+            problems += more
+            if tree is not None:
+                problems += check_prefixes(lay, tree, names)
+            if style and tree is not None:
+                problems += check_style(lay, tree, names)
+    return problems

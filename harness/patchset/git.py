@@ -1,0 +1,81 @@
+"""A few small git verbs with a fixed, user-independent configuration.
+
+Every call runs ``git -c <GIT_CONFIG...>`` with the user's and system config ignored, so
+``am`` and ``format-patch`` give the same bytes on every machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from harness import HarnessError
+
+BRANCH = "patched"
+# Identity used for the pristine pin commit and as committer of every patch commit.
+BASE_IDENT = ("SGLang release", "release@sglang.invalid")
+HARNESS_IDENT = ("auxcap harness", "harness@auxcap.invalid")
+
+
+def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_TERMINAL_PROMPT="0",
+        LC_ALL="C",
+        LANG="C",
+    )
+    if extra:
+        env.update(extra)
+    return env
+
+
+# Config that makes am/format-patch output independent of the user's git config.
+GIT_CONFIG = [
+    "core.autocrlf=false",
+    "core.abbrev=12",
+    "core.quotePath=true",
+    "core.hooksPath=" + os.devnull,
+    "gc.auto=0",
+    "commit.gpgSign=false",
+    "tag.gpgSign=false",
+    "diff.algorithm=myers",
+    "diff.renames=true",
+    "diff.noprefix=false",
+    "diff.mnemonicPrefix=false",
+    "diff.context=3",
+    "diff.interHunkContext=0",
+    "diff.suppressBlankEmpty=false",
+    "format.signature=",
+    "format.coverLetter=false",
+    "format.numbered=false",
+    "format.filenameMaxLength=64",
+    "am.threeWay=false",
+    "am.keepcr=false",
+    "apply.whitespace=nowarn",
+    f"user.name={HARNESS_IDENT[0]}",
+    f"user.email={HARNESS_IDENT[1]}",
+]
+
+
+def git(
+    cwd: Path,
+    *args: str,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess[str]:
+    cmd = ["git"]
+    for c in GIT_CONFIG:
+        cmd += ["-c", c]
+    cmd += list(args)
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=git_env(env), capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        first = next((m for m in msg if m.startswith(("error:", "fatal:"))), msg[0] if msg else "")
+        raise HarnessError(f"git {args[0]} failed in {cwd}: {first}")
+    return proc

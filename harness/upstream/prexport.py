@@ -1,0 +1,311 @@
+"""``pr-export``: one upstream PR bundle per upstream-bound patch.
+
+For every patch with ``Forwarded: yes`` that the newest SGLang release does not already
+carry (see ``upstream-status``), write ``build/pr/<patch-id>/``:
+
+* ``NNNN-*.patch``: the patch rebased onto the newest release it applies to (its series
+  prefix, minus what that release already has, applied first in a temp repo of that
+  release's tree), with an upstream-style unit test folded in, as ``git format-patch``
+  output. Our own trailers (Patch-Id, Drop-In, ...) are stripped from the upstream commit.
+* ``deps/*.patch``: prefix patches that release lacks (their own PRs must land first).
+* ``title.txt``, ``description.md`` (motivation, change, test evidence from the last
+  harness run: ``build/results/ablation.json``, ``build/results/bench/memory.md``; else
+  "not run"), ``PUSH.md`` (exact ``git am`` + ``git push`` commands), ``bundle.json``.
+
+The unit test comes from ``harness/upstream/templates/<patch-id>.py`` (SGLang layout:
+``test/registered/...``, ``register_cpu_ci``/``register_cuda_ci`` markers, unittest,
+runnable as ``python3 file.py``); its destination path is declared in the template's
+``# upstream-path:`` header line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from harness import HarnessError, progress
+from harness.patchset.git import git
+from harness.patchset.layout import Layout, layout
+from harness.patchset.pin import load_pin
+from harness.patchset.scratch import scratch
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+PUSH_REF = "refs/heads/auxcap/{id}"
+DEFAULT_TEST_DIR = "test/registered/spec"
+INTERNAL_TRAILERS = ("Patch-Id", "Origin", "Forwarded", "Upstream-Status", "Drop-In", "Upstream-Probe")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--versions", nargs="+", metavar="V",
+                   help="releases to consider (default: every release after the pin)")
+    p.add_argument("--status-json", type=Path, metavar="PATH",
+                   help="reuse an upstream-status --json report instead of recomputing it")
+    p.add_argument("--only", nargs="+", metavar="ID", help="only these patch ids")
+    p.add_argument("--remote", default="<remote>", help="remote name for the push command")
+    p.add_argument("--out", type=Path, help="output dir (default: build/pr)")
+
+
+def run(args: argparse.Namespace) -> int:
+    lay = layout()
+    written = pr_export(lay, versions=args.versions, status_json=args.status_json,
+                        only=args.only, remote=args.remote, out=args.out)
+    if not written:
+        progress("no bundles: every forwarded patch has landed upstream (or none is forwarded)")
+    return 0
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def strip_trailers(body: str) -> str:
+    """Commit body without our internal trailer paragraph."""
+    paras = body.strip().split("\n\n")
+    if paras:
+        last = paras[-1].splitlines()
+        if last and all(re.match(r"^[A-Za-z][A-Za-z0-9-]*:\s", x) for x in last):
+            kept = [x for x in last if x.split(":", 1)[0] not in INTERNAL_TRAILERS]
+            paras = paras[:-1] + (["\n".join(kept)] if kept else [])
+    return "\n\n".join(paras).strip()
+
+
+def template_for(patch_id: str) -> tuple[str, str] | None:
+    """(upstream path, source) of the PR unit test for ``patch_id``, or None."""
+    path = TEMPLATES / f"{patch_id.replace('-', '_')}.py"
+    if not path.exists():
+        return None
+    text = path.read_text()
+    m = re.search(r"^# upstream-path:\s*(\S+)\s*$", text, re.M)
+    dest = m.group(1) if m else f"{DEFAULT_TEST_DIR}/test_{patch_id.replace('-', '_')}.py"
+    text = re.sub(r"^# upstream-path:.*\n", "", text, count=1, flags=re.M)
+    return dest, text
+
+
+def test_evidence(lay: Layout, patch_id: str) -> list[str]:
+    """Markdown lines from the last harness run, or "not run"."""
+    out: list[str] = []
+    ablation = lay.build / "results" / "ablation.json"
+    if ablation.exists():
+        try:
+            data = json.loads(ablation.read_text())
+        except json.JSONDecodeError:
+            data = None
+        hits = _find_patch_entries(data, patch_id)
+        if hits:
+            out.append(f"Ablation ({lay.rel(ablation)}): results for `{patch_id}`:")
+            out.append("")
+            out.append("```json")
+            out.append(json.dumps(hits, indent=2, sort_keys=True)[:4000])
+            out.append("```")
+        else:
+            out.append(f"Ablation ({lay.rel(ablation)}): no entry for `{patch_id}`.")
+    else:
+        out.append("Ablation (each regression test fails without the patch): not run.")
+    memory = lay.build / "results" / "bench" / "memory.md"
+    out.append("")
+    if memory.exists():
+        text = memory.read_text().strip()
+        out.append(f"Memory benchmark ({lay.rel(memory)}):")
+        out.append("")
+        out.extend(text.splitlines()[:60])
+    else:
+        out.append("Memory benchmark (list+cat vs packer peak bytes): not run.")
+    return out
+
+
+def _find_patch_entries(data: Any, patch_id: str) -> Any:
+    if isinstance(data, dict):
+        if patch_id in data:
+            return {patch_id: data[patch_id]}
+        found = {k: _find_patch_entries(v, patch_id) for k, v in data.items()}
+        found = {k: v for k, v in found.items() if v}
+        if found:
+            return found
+        if any(v == patch_id for v in data.values() if isinstance(v, str)):
+            return data
+        return None
+    if isinstance(data, list):
+        found = [x for x in (_find_patch_entries(v, patch_id) for v in data) if x]
+        return found or None
+    return None
+
+
+def _wheel_for(lay: Layout, report: dict[str, Any], version: str) -> Path:
+    pin = load_pin(lay)
+    if version == pin["version"]:
+        from harness.patchset.apply import fetch_wheel
+
+        return fetch_wheel(lay, pin)
+    rel = next((r for r in report["releases"] if r["version"] == version), None)
+    if rel is None:
+        raise HarnessError(f"{version}: not in the upstream-status report")
+    path = Path(rel.get("path") or lay.cache / rel["wheel"])
+    if not path.exists():
+        from harness.patchset.pypi import fetch_index, pick_wheel, release_wheel
+
+        idx = fetch_index(lay.cache, pin.get("package", "sglang"))
+        path = release_wheel(lay.cache, idx, pick_wheel(idx, version, pin.get("package", "sglang")))
+    return path
+
+
+# ---------------------------------------------------------------- main
+
+
+def pr_export(
+    lay: Layout,
+    versions: list[str] | None = None,
+    status_json: Path | None = None,
+    only: list[str] | None = None,
+    remote: str = "<remote>",
+    out: Path | None = None,
+) -> list[Path]:
+    from harness.patchset.export import FORMAT_PATCH_FLAGS
+    from harness.upstream.status import (
+        check_apply,
+        lay_out_release,
+        load_series,
+        upstream_status,
+    )
+
+    pin = load_pin(lay)
+    patches = load_series(lay)
+    if status_json:
+        report = json.loads(Path(status_json).read_text())
+    else:
+        report = upstream_status(lay, versions)
+    by_id = {p["id"]: p for p in report["patches"]}
+    releases = [r["version"] for r in report["releases"]]
+    newest = releases[-1] if releases else pin["version"]
+    out = out or lay.build / "pr"
+    written: list[Path] = []
+    for idx_p, p in enumerate(patches):
+        if only and p.id not in only:
+            continue
+        if not p.forwarded:
+            progress(f"{p.id}: Forwarded: {p.trailers.get('Forwarded', '?')}; no bundle")
+            continue
+        info = by_id.get(p.id)
+        if info is None:
+            raise HarnessError(f"{p.id}: not in the upstream-status report; rerun upstream-status")
+        cells = info["releases"]
+        if releases and cells[newest]["status"] == "landed":
+            progress(f"{p.id}: landed upstream in {info['first_landed']}; no bundle")
+            continue
+        target = next((v for v in reversed(releases) if cells[v]["status"] == "applies"), None)
+        notes: list[str] = []
+        if target is None:
+            target = pin["version"]
+            if releases:
+                probs = cells[newest]["apply"]["problems"] if cells[newest].get("apply") else []
+                notes.append(
+                    f"Does not apply to any release after the pin; based on the pin {target}. "
+                    f"On {newest} it conflicts: " + ("; ".join(probs) or "see upstream-status")
+                    + ". Port it by hand before opening the PR."
+                )
+        progress(f"{p.id}: building PR bundle on sglang {target}")
+        dest = out / p.id
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        tmpl = template_for(p.id)
+        lay.build.mkdir(parents=True, exist_ok=True)
+        with scratch(lay.build, "pr") as tmp:
+            repo = Path(tmp) / "sglang"
+            wheel = _wheel_for(lay, report, target)
+            touched = sorted({f for q in patches[: idx_p + 1] for f in q.files})
+            lay_out_release(wheel, repo, touched)
+            git(repo, "tag", "release")
+            deps = []
+            for q in patches[:idx_p]:
+                qcell = by_id.get(q.id, {}).get("releases", {}).get(target)
+                if qcell and qcell["status"] == "landed":
+                    continue
+                res = check_apply(repo, q)
+                if not res.ok:
+                    raise HarnessError(f"{p.id}: prefix patch {q.name} does not apply on {target}: "
+                                       + "; ".join(res.problems))
+                deps.append(q)
+            git(repo, "tag", "pr-base")
+            am = git(repo, "am", "--no-3way", "--committer-date-is-author-date", str(p.path), check=False)
+            if am.returncode != 0:
+                git(repo, "am", "--abort", check=False)
+                raise HarnessError(f"{p.id}: git am of {p.name} failed on {target}")
+            test_path = None
+            if tmpl:
+                test_path, test_src = tmpl
+                tp = repo / test_path
+                tp.parent.mkdir(parents=True, exist_ok=True)
+                tp.write_text(test_src)
+                git(repo, "add", "-f", test_path)
+                (dest / "upstream_test.py").write_text(test_src)
+            msg = p.subject + "\n\n" + strip_trailers(p.body) + "\n"
+            (Path(tmp) / "msg").write_text(msg)
+            git(repo, "commit", "-q", "--amend", "--no-verify", "-F", str(Path(tmp) / "msg"))
+            pf = git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest), "pr-base..HEAD").stdout.split()
+            if deps:
+                git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest / "deps"), "release..pr-base")
+            stat = git(repo, "diff", "--stat", "pr-base..HEAD").stdout.rstrip()
+        patch_names = [Path(x).name for x in pf]
+        title = p.subject
+        (dest / "title.txt").write_text(title + "\n")
+        desc = _description(lay, p, target, test_path, deps, notes, stat, info)
+        (dest / "description.md").write_text(desc)
+        push = _push(p.id, target, patch_names, deps, remote, test_path)
+        (dest / "PUSH.md").write_text(push)
+        (dest / "bundle.json").write_text(json.dumps({
+            "id": p.id, "title": title, "base_release": target, "base_tag": f"v{target}",
+            "patches": patch_names, "deps": [q.id for q in deps], "test": test_path,
+            "branch": PUSH_REF.format(id=p.id), "notes": notes,
+        }, indent=2) + "\n")
+        progress(f"  wrote {lay.rel(dest)} ({', '.join(patch_names)})")
+        written.append(dest)
+    return written
+
+
+def _description(lay, p, target, test_path, deps, notes, stat, info) -> str:
+    origin = p.trailers.get("Origin", "new")
+    lines = [f"# {p.subject}", ""]
+    if notes:
+        lines += ["> " + n for n in notes] + [""]
+    lines += ["## Motivation", "", strip_trailers(p.body).split("\n\nFix:")[0].strip(), ""]
+    lines += ["## Change", ""]
+    body = strip_trailers(p.body)
+    m = re.search(r"(?ms)^Fix:\s*(.+?)(?:\n\n[A-Z][a-z]+:|\Z)", body)
+    if m:
+        change = m.group(1).strip()
+        lines += [change[:1].upper() + change[1:], ""]
+    lines += [f"Based on SGLang v{target}. Files:", "", "```", stat, "```", ""]
+    if origin.startswith("new, port of"):
+        lines += [f"Port of {origin.split('port of', 1)[1].strip()}.", ""]
+    if deps:
+        lines += ["Depends on (apply/merge first): " + ", ".join(f"`{q.id}`" for q in deps), ""]
+    lines += ["## Tests", ""]
+    if test_path:
+        lines += [f"- New unit test `{test_path}` (registered for CI; runs as `python3 {test_path}`)."]
+    else:
+        lines += ["- No upstream unit test template for this patch (harness/upstream/templates/)."]
+    lines += ["", "### Evidence from the auxcap regression harness", ""]
+    lines += test_evidence(lay, p.id)
+    first = info.get("first_landed")
+    lines += ["", f"Upstream status (auxcap upstream-status): first landed: {first or 'not yet'}."]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _push(pid, target, patch_names, deps, remote, test_path) -> str:
+    ref = PUSH_REF.format(id=pid)
+    lines = [
+        f"# Push `{pid}` as an upstream branch", "",
+        "In a clone of https://github.com/sgl-project/sglang:", "", "```sh",
+        f"git fetch origin tag v{target}",
+        f"git checkout -b auxcap/{pid} v{target}",
+    ]
+    if deps:
+        lines.append(f"git am --no-3way build/pr/{pid}/deps/*.patch   # prefix: {', '.join(q.id for q in deps)}")
+    lines += [f"git am --no-3way build/pr/{pid}/{n}" for n in patch_names]
+    if test_path:
+        lines.append(f"python3 {test_path}")
+    lines += [f"git push {remote} HEAD:{ref}", "```", ""]
+    return "\n".join(lines)
