@@ -11,6 +11,8 @@ SGLANG_VERSION ?=
 export SGLANG_SOURCE
 
 APPLY_FLAGS := $(if $(filter 1 yes true,$(FORCE)),--force,) --source $(SGLANG_SOURCE)
+# Targets that need build/sglang run this first; ARGS belong to the target's own verb.
+APPLY := $(TOX) -q -e apply -- $(APPLY_FLAGS)
 
 .DEFAULT_GOAL := help
 .PHONY: help apply-patches export-patches check-patches wheel venv test lock clean \
@@ -28,7 +30,7 @@ help: ## list targets and variables
 	@echo "           ARGS='...' (extra args for the verb, e.g. make test ARGS='-k comm')"
 
 apply-patches: $(TOOLS)/.stamp ## fetch + verify the pin, apply patches/ to build/sglang (FORCE=1, SGLANG_SOURCE=git)
-	$(TOX) -q -e apply -- $(APPLY_FLAGS) $(ARGS)
+	$(APPLY) $(ARGS)
 
 export-patches: $(TOOLS)/.stamp ## regenerate patches/ from the commits in build/sglang
 	$(TOX) -q -e export -- $(ARGS)
@@ -36,13 +38,16 @@ export-patches: $(TOOLS)/.stamp ## regenerate patches/ from the commits in build
 check-patches: $(TOOLS)/.stamp ## lint series + trailers, zero-fuzz apply, round trip, black/isort/codespell
 	$(TOX) -q -e check -- $(ARGS)
 
-wheel: apply-patches ## build the patched wheel into build/dist
+wheel: $(TOOLS)/.stamp ## build the patched wheel into build/dist
+	$(APPLY)
 	$(TOX) -q -e wheel -- $(ARGS)
 
-venv: apply-patches ## create/refresh the locked test env (.tox/test) with the patched wheel
+venv: $(TOOLS)/.stamp ## create/refresh the locked test env (.tox/test) with the patched wheel
+	$(APPLY)
 	$(TOX) -q -e venv
 
-test: apply-patches ## run the CPU suites (pytest-xdist; junit in build/results/)
+test: $(TOOLS)/.stamp ## run the CPU suites (pytest-xdist; junit in build/results/)
+	$(APPLY)
 	$(TOX) -q -e test -- $(ARGS)
 
 lock: $(TOOLS)/.stamp ## re-resolve requirements/tools.txt and requirements/test.lock
@@ -51,11 +56,14 @@ lock: $(TOOLS)/.stamp ## re-resolve requirements/tools.txt and requirements/test
 clean: ## remove build/ and .tox/ (keeps .cache/ downloads and .tools/)
 	rm -rf build .tox
 
-ablation: apply-patches ## run each regression test without its patch (must fail) and with it
+ablation: $(TOOLS)/.stamp ## run each regression test without its patch (must fail) and with it
+	$(APPLY)
 	$(TOX) -q -e ablation -- $(ARGS)
-bench: apply-patches ## memory benchmark: list+cat vs packer
+bench: $(TOOLS)/.stamp ## memory benchmark: list+cat vs packer
+	$(APPLY)
 	$(TOX) -q -e bench -- $(ARGS)
-test-gpu: apply-patches ## run the suites on CUDA/NCCL
+test-gpu: $(TOOLS)/.stamp ## run the suites on CUDA/NCCL
+	$(APPLY)
 	$(TOX) -q -e test-gpu -- $(ARGS)
 docker-base: $(TOOLS)/.stamp ## build the Debian base image
 	$(TOX) -q -e docker-base -- $(ARGS)
