@@ -33,10 +33,44 @@ def pytest_configure(config):
         "markers", "guards(patch_id): regression test for the patch with that Patch-Id"
     )
     config.addinivalue_line("markers", "multirank: spawns rank pools (TP > 1)")
+    config.addinivalue_line(
+        "markers", "world_size(n): needs a rank pool of n ranks (started early, see below)"
+    )
     config.addinivalue_line("markers", "gpu: needs CUDA")
 
 
+# Tests that import SGLang. They all run in one xdist worker, so SGLang is imported
+# once there (17 s of CPU per import on these machines) while the other worker takes
+# the tooling tests; in-process tests first, then the multirank ones, whose pools that
+# worker starts at its first SGLang test so the ranks import meanwhile.
+SGLANG_PATHS = ("tests/patches/", "tests/multirank/", "tests/memory/", "tests/ranks/test_sglang_dist.py")
+SGLANG_GROUP = "sglang"
+_WORLD_SIZES: set = set()
+
+
+def _needs_sglang(item) -> bool:
+    rel = item.nodeid.split("::", 1)[0]
+    return rel.startswith(SGLANG_PATHS)
+
+
+def pytest_itemcollected(item):
+    # Here, not in pytest_collection_modifyitems: xdist's worker reads the group there.
+    if _needs_sglang(item):
+        item.add_marker(pytest.mark.xdist_group(SGLANG_GROUP))
+
+
 def pytest_collection_modifyitems(config, items):
+    _select_guarded(config, items)
+    for item in items:
+        if _needs_sglang(item):
+            for m in item.iter_markers("world_size"):
+                _WORLD_SIZES.add(int(m.args[0]))
+    # Stable: in-process SGLang tests, then multirank ones, then everything else as is.
+    items.sort(key=lambda it: (0 if _needs_sglang(it) and not it.get_closest_marker("world_size")
+                               else 1 if _needs_sglang(it) else 2))
+
+
+def _select_guarded(config, items):
     wanted = set(config.getoption("--guards"))
     if not wanted:
         return
@@ -49,6 +83,35 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 SGLANG_INIT = "harness.ranks.sglang:init_sglang_distributed"
+
+
+_PRESTARTED: list = []
+
+
+@pytest.fixture(autouse=True)
+def _prestart_rank_pools(request):
+    """At this worker's first SGLang test, start (without waiting) the SGLang rank pools
+    its selected multirank tests need; they import SGLang while in-process tests run."""
+    if _PRESTARTED or not _needs_sglang(request.node) or not _WORLD_SIZES:
+        yield
+        return
+    _PRESTARTED.append(True)
+    backend = _backend()
+    if backend == "gloo":
+        from harness.ranks import get_pool
+
+        for n in sorted(_WORLD_SIZES):
+            get_pool(n, backend, SGLANG_INIT, wait=False, timeout=900)
+    yield
+
+
+def _backend() -> str:
+    backend = os.environ.get("HARNESS_DIST_BACKEND")
+    if backend is None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
 
 
 @pytest.fixture(scope="session")
@@ -64,12 +127,7 @@ def rank_pool():
     from harness.ranks import close_all_pools, get_pool
 
     def make(world_size: int, backend: str | None = None, init_fn=SGLANG_INIT, **pool_kwargs):
-        if backend is None:
-            backend = os.environ.get("HARNESS_DIST_BACKEND")
-        if backend is None:
-            import torch
-
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend or _backend()
         if backend == "nccl":
             import torch
 

@@ -82,6 +82,9 @@ class RankPool:
     ``init_fn(rank, world_size, *, init_method, backend, **init_kwargs)``: a callable or
     ``"module:qualname"``; ``None`` for no init (no torch.distributed at all).
     ``timeout``: default per-call deadline in seconds; ``start_timeout``: spawn + init.
+    ``wait``: False returns as soon as the ranks are spawned; they import and run
+    ``init_fn`` in the background and the first call waits for them (so a test session
+    can start a pool early and do other work meanwhile). Init failures surface there.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class RankPool:
         start_timeout: float = 600.0,
         env: dict[str, str] | None = None,
         stack_grace: float = 2.0,
+        wait: bool = True,
     ) -> None:
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
@@ -115,6 +119,9 @@ class RankPool:
         self._killed = False
         self._owner_pid = os.getpid()
         self._lock = threading.Lock()
+        self._ready = False
+        self._start_deadline = 0.0
+        self.spawn_seconds: float | None = None
         self.workdir = new_workdir(world_size)
         child_env = dict(env or {})
         if backend == "gloo":
@@ -124,7 +131,8 @@ class RankPool:
             child_env.setdefault("CUDA_VISIBLE_DEVICES", "")
         ctx = mp.get_context("spawn")
         self._ranks: list[_Rank] = []
-        t0 = time.monotonic()
+        self._t0 = t0 = time.monotonic()
+        self._start_deadline = t0 + start_timeout
         try:
             for r in range(world_size):
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -139,11 +147,11 @@ class RankPool:
                 child_conn.close()
                 self._ranks.append(_Rank(r, proc, parent_conn, pid=proc.pid or 0))
             _LIVE_POOLS.add(self)
-            self._wait_ready(start_timeout)
+            if wait:
+                self._wait_ready()
         except BaseException:
             self._kill_all()
             raise
-        self.spawn_seconds = time.monotonic() - t0
 
     # ----------------------------------------------------------------- info
     @property
@@ -168,16 +176,20 @@ class RankPool:
         self.close()
 
     # ----------------------------------------------------------------- start-up
-    def _wait_ready(self, start_timeout: float) -> None:
-        deadline = time.monotonic() + start_timeout
-        pending = {r.rank for r in self._ranks}
+    def _wait_ready(self) -> None:
+        """Until every rank has run its init hook (once; a failure breaks the pool)."""
+        if self._ready:
+            return
+        pending = {r.rank for r in self._ranks if r.state == "starting"}
         while pending:
-            failure = self._pump(pending, deadline, phase="init")
+            failure = self._pump(pending, self._start_deadline, phase="init")
             if failure is not None:
                 raise failure
             pending = {r.rank for r in self._ranks if r.state == "starting"}
         for r in self._ranks:
             r.state = "idle"
+        self._ready = True
+        self.spawn_seconds = time.monotonic() - self._t0
 
     # ----------------------------------------------------------------- running
     def run(self, fn: FnSpec, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
@@ -203,6 +215,7 @@ class RankPool:
                 raise PoolBrokenError(f"rank pool is broken (earlier failure: {self.broken}); use get_pool() for a new one")
             if self.closed:
                 raise PoolBrokenError("rank pool is closed")
+            self._wait_ready()
             self.calls += 1
             call_id = self._current_call = self.calls
             try:

@@ -177,6 +177,14 @@ def init_sglang_distributed(
                 setattr(sa, k, v)
         return _STATE
 
+    if os.environ.get("HARNESS_TORCH_COMPILE") != "1":
+        # SGLang wraps a few small helpers in torch.compile (e.g. the vocab-parallel
+        # embedding's input masking, which runs only at TP > 1); inductor then builds
+        # C++ for them in every rank, ~20 s each on 2 cores. They are not what the
+        # suites test, so they run eagerly. The fullgraph checks turn dynamo back on
+        # for their own compile; HARNESS_TORCH_COMPILE=1 keeps it on everywhere.
+        torch._dynamo.config.disable = True
+
     on_cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if on_cuda else "gloo")
     if backend == "nccl" and not on_cuda:

@@ -53,7 +53,7 @@ def _params():
     for tp in (1, 2, 4):
         for idx, case_id in enumerate(CASE_IDS):
             case = CASES[idx]
-            marks = [pytest.mark.multirank, pytest.mark.xdist_group(f"tp{tp}")]
+            marks = [pytest.mark.multirank] + ([pytest.mark.world_size(tp)] if tp > 1 else [])
             with_last = NUM_LAYERS in case["layers_to_capture"]
             # Guards only where the missing patch is the reason for failing: without
             # 0002 the fused cases capture per-rank partial sums; the cases that also

@@ -31,7 +31,7 @@ def tp1_reference(sglang_tp1):
 @GUARD
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "tp", [pytest.param(tp, marks=pytest.mark.xdist_group(f"tp{tp}")) for tp in (2, 4)]
+    "tp", [pytest.param(tp, marks=pytest.mark.world_size(tp)) for tp in (2, 4)]
 )
 @pytest.mark.parametrize("idx", range(len(CASES)), ids=IDS)
 def test_input_scattered_captures_match_tp1_reference(rank_pool, tp1_reference, tp, idx):
@@ -55,7 +55,7 @@ def test_input_scattered_captures_match_tp1_reference(rank_pool, tp1_reference, 
 
 @GUARD
 @pytest.mark.multirank
-@pytest.mark.xdist_group("tp2")
+@pytest.mark.world_size(2)
 def test_ag_after_qlora_scattered_input_capture_is_gathered(rank_pool):
     results = rank_pool(2, timeout=900).run("harness.suites.capture:ag_after_qlora_capture")
     for rank, res in enumerate(results):

@@ -81,7 +81,7 @@ def sglang_collectives(rank, world_size, rows=5, cols=7):
 
 
 def sglang_in_process_tp1(rank, world_size):
-    """A rank without an init hook stands in for a pytest worker: TP=1 in-process."""
+    """TP = 1 in this process, as a pytest worker uses it; a second init is a no-op."""
     from harness.ranks.sglang import init_sglang_distributed
 
     cfg1 = init_sglang_distributed(rank=0, world_size=1)

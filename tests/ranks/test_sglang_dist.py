@@ -7,12 +7,11 @@ import os
 import pytest
 import rank_tasks
 
-from harness.ranks import RankPool
 
 TP_SIZES = [2] + ([4] if os.environ.get("HARNESS_RUNNER_FULL") else [])
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", [pytest.param(tp, marks=pytest.mark.world_size(tp)) for tp in TP_SIZES])
 def test_sglang_all_reduce_and_gather_exact(rank_pool, tp):
     pool = rank_pool(tp)
     results = pool.run(rank_tasks.sglang_collectives)
@@ -30,10 +29,10 @@ def test_sglang_all_reduce_and_gather_exact(rank_pool, tp):
     assert pool.run(rank_tasks.sglang_collectives)[0]["tp_sum_exact"] and pool.pids == pids
 
 
-def test_sglang_tp1_in_process_idempotent():
-    # A bare rank (no init hook) plays the pytest worker calling the shim in-process.
-    with RankPool(1, init_fn=None, timeout=300) as pool:
-        (res,) = pool.run(rank_tasks.sglang_in_process_tp1)
+def test_sglang_tp1_in_process_idempotent(sglang_tp1):
+    # In this worker, as the TP = 1 suites use it (the sglang_tp1 fixture made the
+    # first call); a second call returns the same state.
+    res = rank_tasks.sglang_in_process_tp1(0, 1)
     assert res["same_cfg"] and res["server_args_tp"] == 1
     assert res["tp_sum_exact"] and res["attn_sum_exact"] and res["attn_gather_exact"]
     assert (res["tp_size"], res["attn_tp_size"]) == (1, 1)
