@@ -21,10 +21,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--family", default="llama",
+                   help="list-capturing model family measured before (pin) and after (series) "
+                        "as a whole model (default llama; '' skips)")
+    p.add_argument("--model-hidden", type=int, default=1024,
+                   help="hidden size of that tiny model (default 1024)")
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
+
+
+def _model_rows(args: argparse.Namespace, device: str) -> list:
+    from harness.memory.models import model_capture_peaks
+
+    rows = []
+    layers = [2, 4, 5][: args.k] if args.k <= 3 else list(range(1, args.k + 1))
+    for tokens in args.tokens:
+        r = model_capture_peaks(args.family, tokens, args.model_hidden, layers, args.dtype, device)
+        rows.append(r)
+        print(f"[bench] {args.family} T={tokens}: capture path pin {_mib(r['pin']['capture_path_peak_bytes'])} "
+              f"MiB, series {_mib(r['patched']['capture_path_peak_bytes'])} MiB", flush=True)
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +90,27 @@ def run(args: argparse.Namespace) -> int:
             f"{_mib(r['packer_peak_bytes'])} | {ratio} | {_mib(r['list_copied_bytes'])} | "
             f"{_mib(r['packer_copied_bytes'])} |"
         )
+    if args.family:
+        model_rows = _model_rows(args, device)
+        (out / "memory.json").write_text(json.dumps(
+            {"meta": meta, "rows": rows, "model_rows": model_rows}, indent=2) + "\n")
+        lines += [
+            "",
+            f"Whole model, {args.family} (tiny real model, {args.model_hidden} hidden, 8 layers, "
+            f"K={args.k}, EAGLE3 default ids), the pin's forward (list) against the series' "
+            "(packed), one process. Capture path = the captures the forward hands over + what "
+            "packing them adds; forward = peak of forward + pack over baseline. MiB.",
+            "",
+            "| T | captures | pin capture path | series capture path | series/pin | pin forward | series forward | forward without captures |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in model_rows:
+            lines.append(
+                f"| {r['tokens']} | {_mib(r['capture_bytes'])} | {_mib(r['pin']['capture_path_peak_bytes'])} | "
+                f"{_mib(r['patched']['capture_path_peak_bytes'])} | {r['ratio_patched_over_pin']:.3f} | "
+                f"{_mib(r['pin']['forward_peak_bytes'])} | {_mib(r['patched']['forward_peak_bytes'])} | "
+                f"{_mib(r['patched']['forward_peak_without_captures_bytes'])} |"
+            )
     md = "\n".join(lines) + "\n"
     (out / "memory.md").write_text(md)
     print(md)

@@ -69,30 +69,38 @@ def _rms(x, weight, eps):
     return (xf * torch.rsqrt(var + eps)).to(orig) * weight.to(orig)
 
 
-def cpu_rmsnorm_forward(norm, x, residual=None, post_residual_addition=None):
-    """RMSNorm with the CUDA kernels' aliasing (``fused_add_rmsnorm`` is in place)."""
+def cpu_rmsnorm_forward(norm, x, residual=None, post_residual_addition=None, *, gemma=False):
+    """RMSNorm with the CUDA kernels' aliasing (``fused_add_rmsnorm`` is in place).
+
+    ``gemma``: GemmaRMSNorm's ``x * (1 + w)`` (``gemma_fused_add_rmsnorm``, also in place).
+    """
+    weight = norm.weight.data
+    if gemma:
+        weight = 1.0 + weight
     if x.shape[0] == 0:
         return x if residual is None else (x, residual)
     if residual is None:
-        return _rms(x, norm.weight.data, norm.variance_epsilon)
+        return _rms(x, weight, norm.variance_epsilon)
     if post_residual_addition is not None:
         residual = residual + post_residual_addition
     # fused_add_rmsnorm(x, residual, w, eps): residual += x; x = rmsnorm(residual) * w
     residual.add_(x)
-    x.copy_(_rms(residual, norm.weight.data, norm.variance_epsilon))
+    x.copy_(_rms(residual, weight, norm.variance_epsilon))
     return x, residual
 
 
 def install_cpu_norm(module) -> int:
-    """Route every SGLang RMSNorm under ``module`` to the in-place CPU kernel."""
+    """Route every SGLang RMSNorm / GemmaRMSNorm under ``module`` to the in-place CPU kernel."""
     import functools
 
-    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
 
     n = 0
     for sub in module.modules():
-        if isinstance(sub, RMSNorm):
-            sub._forward_method = functools.partial(cpu_rmsnorm_forward, sub)
+        if isinstance(sub, (RMSNorm, GemmaRMSNorm)):
+            sub._forward_method = functools.partial(
+                cpu_rmsnorm_forward, sub, gemma=isinstance(sub, GemmaRMSNorm)
+            )
             n += 1
     return n
 

@@ -1,0 +1,269 @@
+"""Aux-capture cases on every capturing model of the pin, runnable in any rank.
+
+The model-matrix counterpart of :mod:`harness.suites.capture` (which drives
+``deepseek_v2`` in more depth). For a model spec (:mod:`harness.standins.models`), a
+layer set and a fusion mode, :func:`capture_case` runs the real ``XModel.forward`` with
+those captures requested through the model's own mechanism and returns plain data.
+
+The reference for capture index ``i`` is the complete output of layer ``i - 1``
+(``hidden_states + residual`` after its all-reduce, by the spec's ``layer_output``),
+taken with forward hooks on a run with fusion off and nothing captured, so it does
+not depend on the capture code under test. Models are built once per rank and reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from typing import Any, Dict, List, Sequence, Tuple
+
+_MODELS: Dict[str, Any] = {}
+_REFS: Dict[Tuple[str, int, str], Any] = {}
+
+
+def get_model(name: str):
+    from harness.standins.models import build, specs
+
+    if name not in _MODELS:
+        _MODELS[name] = build(specs()[name])
+    return _MODELS[name]
+
+
+def num_layers(model) -> int:
+    from harness.standins.models import specs
+
+    spec = specs()[model.auxcap_spec]
+    return len(getattr(model, spec.layers_attr))
+
+
+def layer_sets(n: int) -> Dict[str, List[int]]:
+    """The layers_to_capture variants, as SGLang's setters compute them."""
+    return {
+        # set_eagle3_layers_to_capture(None): [2, n // 2, n - 3]
+        "eagle3-default": [2, n // 2, n - 3],
+        # set_eagle3_layers_to_capture(ids) with the last layer: [id + 1 for id in ids]
+        "eagle3-last": [1 + 1, (n // 2) + 1, (n - 1) + 1],
+        # set_dflash_layers_to_capture(ids): [id + 1 for id in ids]
+        "dflash": [0 + 1, 2 + 1, (n - 2) + 1, (n - 1) + 1],
+    }
+
+
+def input_ids(num_tokens: int, vocab_size: int, seed: int = 7):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (num_tokens,), generator=g)
+
+
+def _forward(model, ids, mode: str = "extend", tbo: bool = False):
+    """The spec's real forward on ``ids``; returns (final hidden states, aux or None).
+
+    ``tbo``: the batch can run two-batch overlap (``tbo_split_seq_index`` set, as the
+    scheduler's TBO preparer does).
+    """
+    import torch
+
+    from harness.standins.batch import make_forward_batch
+    from harness.standins.kernels import device
+    from harness.standins.models import specs
+
+    spec = specs()[model.auxcap_spec]
+    fb = make_forward_batch(ids.to(device()), mode)
+    if tbo:
+        fb.tbo_split_seq_index = max(1, ids.shape[0] // 2)
+    ids = ids.to(device())
+    positions = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device)
+    with torch.no_grad():
+        out = spec.run(model, ids, positions, fb)
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    return out, None
+
+
+def reference(name: str, num_tokens: int, mode: str = "extend"):
+    """(complete output of every layer, index i = input of layer i; final hidden states)."""
+    from harness.standins.kernels import fusion_mode
+    from harness.standins.models import specs
+
+    key = (name, num_tokens, mode)
+    if key in _REFS:
+        return _REFS[key]
+    spec = specs()[name]
+    model = get_model(name)
+    spec.configure(model, [])
+    outputs: List[Any] = []
+    handles = [
+        layer.register_forward_hook(lambda m, a, o: outputs.append(spec.layer_output(o).clone()))
+        for layer in getattr(model, spec.layers_attr)
+    ]
+    try:
+        with fusion_mode("off"):
+            final, _ = _forward(model, input_ids(num_tokens, spec.tiny.vocab_size), mode)
+    finally:
+        for h in handles:
+            h.remove()
+    # Index 0 (the embeddings) is never requested by these layer sets.
+    _REFS[key] = ([None] + outputs, final.clone())
+    return _REFS[key]
+
+
+def as_packed(aux):
+    import torch
+
+    if aux is None:
+        return None
+    if isinstance(aux, torch.Tensor):
+        return aux
+    return torch.cat(list(aux), dim=-1)
+
+
+def capture_case(
+    rank: int,
+    world_size: int,
+    *,
+    model: str,
+    layers_to_capture: Sequence[int],
+    fusion: str = "off",
+    num_tokens: int = 6,
+    mode: str = "extend",
+    tbo: bool = False,
+) -> Dict[str, Any]:
+    """Runs one capture case; returns plain data for cross-rank comparison.
+
+    ``tbo``: a batch that can run two-batch overlap; ``model_forward_maybe_tbo`` is
+    replaced by a sequential CPU stand-in of the TBO executor (same layers, same math,
+    and, like the real operation strategies, no captures), and the number of layers
+    the model sent through it is returned as ``tbo_layers``.
+    """
+    import torch
+
+    from harness.standins.kernels import fusion_mode
+    from harness.standins.models import specs
+
+    spec = specs()[model]
+    m = get_model(model)
+    refs, ref_final = reference(model, num_tokens, mode)
+    tbo_layers: List[int] = []
+    spec.configure(m, layers_to_capture)
+    try:
+        with fusion_mode(fusion), _tbo_executor(m, tbo_layers, enabled=tbo):
+            final, aux = _forward(m, input_ids(num_tokens, spec.tiny.vocab_size), mode, tbo=tbo)
+    finally:
+        spec.configure(m, [])
+    packed = as_packed(aux)
+    want = sorted(set(layers_to_capture))
+    hidden = spec.tiny.hidden_size
+    parts = list(aux) if isinstance(aux, (list, tuple)) else ([] if aux is None else [aux])
+    shares = [i for i, t in enumerate(parts)
+              if t.untyped_storage().data_ptr() == final.untyped_storage().data_ptr()]
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "captures": None if packed is None else packed.cpu().clone(),
+        "expected": torch.cat([refs[i] for i in want], dim=-1).cpu(),
+        "num_expected": len(want),
+        "num_captured": 0 if packed is None else packed.shape[-1] // hidden,
+        "returned_packed": isinstance(aux, torch.Tensor),
+        "final": final.cpu().clone(),
+        "reference_final": ref_final.cpu().clone(),
+        "shares_storage_with_final": shares,
+        "tbo_layers": sum(tbo_layers),
+    }
+
+
+@contextlib.contextmanager
+def _tbo_executor(model, calls: List[int], enabled: bool):
+    """Replace ``model_forward_maybe_tbo`` where the model's forward looks it up."""
+    import inspect
+    import unittest.mock as mock
+
+    if not enabled:
+        yield
+        return
+    module = inspect.getmodule(type(model).forward)
+
+    def sequential_tbo(layers, enable_tbo, positions, forward_batch, hidden_states, residual,
+                       input_data_scatter_mode=None, zero_allocator=None, **_):
+        calls.append(len(layers))
+        for layer in layers:
+            params = inspect.signature(layer.forward).parameters
+            kwargs = dict(positions=positions, hidden_states=hidden_states,
+                          forward_batch=forward_batch, residual=residual)
+            if "zero_allocator" in params:
+                kwargs["zero_allocator"] = zero_allocator
+            out = layer(**kwargs)
+            hidden_states, residual = out[0], out[1]
+        return hidden_states, residual
+
+    if not hasattr(module, "model_forward_maybe_tbo"):
+        raise RuntimeError(f"{module.__name__} has no model_forward_maybe_tbo: no TBO path")
+    with mock.patch.object(module, "model_forward_maybe_tbo", sequential_tbo):
+        yield
+
+
+def model_matrix(rank: int, world_size: int, cases: Sequence[Dict[str, Any]]):
+    """Runs many cases in one call; a failing case returns its traceback, not raises."""
+    out = []
+    for case in cases:
+        try:
+            out.append(capture_case(rank, world_size, **case))
+        except Exception:
+            out.append({"rank": rank, "error": traceback.format_exc()})
+    return out
+
+
+def _tensors(out) -> List[Any]:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    flat: List[Any] = []
+    for x in out if isinstance(out, (list, tuple)) else [out]:
+        flat += _tensors(x) if x is not None else []
+    return flat
+
+
+def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_tokens: int = 6):
+    """(eager outputs, compiled outputs) of the model's real forward with these captures.
+
+    The compile is ``torch.compile(fullgraph=True, backend="eager")``, as SGLang's
+    piecewise CUDA graph compiles the model forward (with its own backend) on CUDA; a
+    graph break raises. Dynamo is on only for this compile (ranks run with it off).
+    """
+    import torch
+
+    from harness.standins.batch import make_forward_batch
+    from harness.standins.kernels import device
+    from harness.standins.models import specs
+
+    spec = specs()[name]
+    model = get_model(name)
+    ids = input_ids(num_tokens, spec.tiny.vocab_size).to(device())
+    positions = torch.arange(num_tokens, dtype=torch.int64, device=ids.device)
+
+    class Compiled:
+        """The model, but calling it runs ``torch.compile(model.forward, fullgraph=True)``:
+        the spec's run hook (contexts it enters around the forward) stays eager."""
+
+        def __init__(self, forward):
+            self._forward = forward
+
+        def __call__(self, *args, **kwargs):
+            return self._forward(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    spec.configure(model, layers_to_capture)
+    try:
+        with torch.no_grad():
+            eager = [t.clone() for t in _tensors(spec.run(model, ids, positions, make_forward_batch(ids)))]
+            with torch._dynamo.config.patch(disable=False):
+                torch._dynamo.reset()
+                compiled_model = Compiled(torch.compile(model.forward, fullgraph=True, backend="eager"))
+                out = spec.run(compiled_model, ids, positions, make_forward_batch(ids))
+                compiled = [t.clone() for t in _tensors(out)]
+                torch._dynamo.reset()
+    finally:
+        spec.configure(model, [])
+    return eager, compiled
