@@ -67,7 +67,7 @@ def _apply_one_fallback(tree: Path, patch: Path) -> None:
 
     if not patch.exists():
         raise HarnessError(f"{patch.name}: listed in series but missing")
-    am = git(tree, "am", "--no-3way", str(patch), check=False)
+    am = git(tree, "am", "--keep-cr", "--no-3way", str(patch), check=False)
     if am.returncode != 0:
         git(tree, "am", "--abort", check=False)
         out = am.stdout + am.stderr

@@ -35,7 +35,7 @@ from harness.patchset.series import hunk_for_line, read_series, series_id
 
 UNSET = "TO-BE-COMPUTED"
 # Bump when the way build/sglang is made changes (am/format-patch flags): forces a rebuild.
-TOOL_VERSION = 2
+TOOL_VERSION = 3
 DIRTY_HINT = "run `make export-patches` to keep your work, or `make apply-patches FORCE=1` to discard it"
 
 
@@ -178,7 +178,8 @@ def apply_one(tree: Path, patch: Path) -> None:
                 f"{patch.name}: {current}: hunk #{m.group(1)} applies only at line {m.group(2)}"
                 f"{m.group(3).rstrip('.')}; zero fuzz/offset required, refresh the patch"
             )
-    am = git(tree, "am", "--keep", "--no-keep-cr", "--no-3way", "--committer-date-is-author-date", str(patch), check=False)
+    # --keep-cr: patches to files with CRLF endings (apertus.py) keep their CRs.
+    am = git(tree, "am", "--keep", "--keep-cr", "--no-3way", "--committer-date-is-author-date", str(patch), check=False)
     if am.returncode != 0:
         git(tree, "am", "--abort", check=False)
         raise PatchFailure(_describe_apply_error(patch, am.stdout + am.stderr))

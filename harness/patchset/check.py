@@ -24,7 +24,7 @@ from harness.patchset.series import parse_series, patch_files, patch_message
 STYLE_ARGS = {
     "black": ["black", "--check"],
     "isort": ["isort", "--profile", "black", "-p", "sglang", "--check-only", "--quiet"],
-    "codespell": ["codespell_lib", "--ignore-words-list", "mis"],
+    "codespell": ["codespell_lib", "--ignore-words-list", "mis,ans"],
     # SGLang's pre-commit runs ruff for unused imports / undefined names.
     "ruff": ["ruff", "check", "--no-cache", "--select", "F401,F821"],
 }

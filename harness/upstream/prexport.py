@@ -229,7 +229,7 @@ def pr_export(
                                        + "; ".join(res.problems))
                 deps.append(q)
             git(repo, "tag", "pr-base")
-            am = git(repo, "am", "--no-3way", "--committer-date-is-author-date", str(p.path), check=False)
+            am = git(repo, "am", "--keep-cr", "--no-3way", "--committer-date-is-author-date", str(p.path), check=False)
             if am.returncode != 0:
                 git(repo, "am", "--abort", check=False)
                 raise HarnessError(f"{p.id}: git am of {p.name} failed on {target}")

@@ -136,7 +136,7 @@ def rebase(lay: Layout, version: str, dry_run: bool = False, force: bool = False
         work = tmp / "sglang"
         info = build_tree(lay, work, pin, "wheel", [], verbose=False)
         if keep:
-            am = git(work, "am", "--no-3way", "--committer-date-is-author-date",
+            am = git(work, "am", "--keep-cr", "--no-3way", "--committer-date-is-author-date",
                      *[str(p.path) for p in keep], check=False)
         else:
             am = None

@@ -62,3 +62,19 @@ def test_zero_tokens_allocates_nothing(sglang_tp1):
     for path in ("list",):
         res = capture_path(path, 0, 32, 3, "float32", _device())
         assert res["peak_bytes"] == 0
+
+
+MODEL_GUARD = pytest.mark.guards("models-aux-packer")
+
+
+@MODEL_GUARD
+@pytest.mark.parametrize("tokens", [1, 96])
+def test_list_capturing_model_family_goes_from_twice_to_once(sglang_tp1, tokens):
+    """The pin's LlamaModel (list + cat) against the patched one (packed), same process:
+    the capture path peaks at 2x and 1x K*T*H*itemsize."""
+    from harness.memory.models import model_capture_peaks
+
+    res = model_capture_peaks("llama", tokens, 64, [2, 4, 5], "float32", _device())
+    s = res["capture_bytes"]
+    assert _same(res["pin"]["capture_path_peak_bytes"], 2 * s, 6), res
+    assert _same(res["patched"]["capture_path_peak_bytes"], s, 1), res

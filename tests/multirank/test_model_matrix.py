@@ -1,0 +1,124 @@
+"""Every capturing model of the pin at TP = 1, 2, 4 over gloo (docs/MODELS.md).
+
+For each model spec (harness/standins/models): the real ``XModel.forward`` and
+decoder layers, attention and MLP/MoE as exact TP-sharded stand-ins, x fusion (off,
+and FlashInfer-fused / aiter-like in place where the model's layers defer their
+all-reduce) x layer sets (EAGLE3 default, EAGLE3 ids with the last layer, DFlash
+ids). Each TP runs the whole matrix in one call through one warm pool; the TP = 1
+reference runs in this worker.
+
+Every rank equals the TP = 1 reference exactly and each other; K of K; no capture
+shares storage with the final hidden states; the final hidden states are unchanged
+by capturing. (Captures modified after they were taken show up as a mismatch with
+the reference, which is taken with hooks, not by the capture code.)
+
+Guards follow the survey: a case guards the patch that fixes the bug it exercises
+(see ``guards_for``), so `make ablation` checks each fails without that patch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.standins.models import specs
+from harness.suites.models import layer_sets
+
+# Patch-Id that fixes each bug of the survey (docs/MODELS.md).
+FIXED_BY = {
+    "A": "models-capture-after-allreduce",
+    "C": "models-capture-final-layer",
+    "E": "models-aux-packer",
+    "X": "models-aux-packer",
+    "F": "qwen3-next-last-layer-allreduce",
+}
+TPS = (1, 2, 4)
+
+
+def _cases():
+    out = []
+    for name, spec in sorted(specs().items()):
+        if not spec.in_matrix:
+            continue
+        fusions = ["off", "flashinfer", "aiter"] if spec.defers else ["off"]
+        for set_name, layers in layer_sets(spec.tiny.num_layers).items():
+            for fusion in fusions:
+                out.append((f"{name}-{set_name}-{fusion}",
+                            dict(model=name, layers_to_capture=layers, fusion=fusion)))
+    return out
+
+
+CASES = _cases()
+
+
+def guards_for(tp: int, case: dict) -> list[str]:
+    spec = specs()[case["model"]]
+    bugs = spec.bugs()
+    with_last = spec.tiny.num_layers in case["layers_to_capture"]
+    fused = tp > 1 and case["fusion"] != "off"
+    out = []
+    if "C" in bugs and with_last:
+        out.append(spec.patch_for("C", FIXED_BY["C"]))
+    if "A" in bugs and fused and not with_last:
+        out.append(spec.patch_for("A", FIXED_BY["A"]))
+    for bug in sorted(bugs & {"E", "X"}):
+        out.append(spec.patch_for(bug, FIXED_BY[bug]))
+    if "F" in bugs and fused:
+        out.append(spec.patch_for("F", FIXED_BY["F"]))
+    return sorted(set(out))
+
+
+def _params():
+    for tp in TPS:
+        for idx, (case_id, case) in enumerate(CASES):
+            marks = [pytest.mark.multirank] + ([pytest.mark.world_size(tp)] if tp > 1 else [])
+            marks += [pytest.mark.guards(g) for g in guards_for(tp, case)]
+            yield pytest.param(tp, idx, id=f"tp{tp}-{case_id}", marks=marks)
+
+
+_RESULTS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def tp1_reference(sglang_tp1):
+    from harness.suites.models import model_matrix
+
+    return model_matrix(0, 1, [c for _, c in CASES])
+
+
+def _results(rank_pool, tp):
+    if tp not in _RESULTS:
+        _RESULTS[tp] = rank_pool(tp, timeout=900).run(
+            "harness.suites.models:model_matrix", [c for _, c in CASES]
+        )
+    return _RESULTS[tp]
+
+
+@pytest.mark.parametrize("tp, idx", list(_params()))
+def test_model_captures_match_tp1_reference(rank_pool, tp1_reference, tp, idx):
+    ref = tp1_reference[idx]
+    assert "error" not in ref, ref.get("error")
+    per_rank = [r[idx] for r in _results(rank_pool, tp)] if tp > 1 else [ref]
+    for res in per_rank:
+        assert "error" not in res, f"rank {res['rank']} raised:\n{res.get('error')}"
+    for res in per_rank:
+        r = res["rank"]
+        assert res["num_captured"] == res["num_expected"], (
+            f"rank {r}: captured {res['num_captured']} of {res['num_expected']} aux hidden states"
+        )
+        assert torch.equal(res["captures"], ref["expected"]), (
+            f"rank {r}: captures differ from the TP=1 reference "
+            f"(max abs diff {(res['captures'] - ref['expected']).abs().max().item()})"
+        )
+        assert torch.equal(res["final"], ref["reference_final"]), (
+            f"rank {r}: final hidden states differ from the TP=1 reference "
+            f"(max abs diff {(res['final'] - ref['reference_final']).abs().max().item()})"
+        )
+        assert res["shares_storage_with_final"] == [], (
+            f"rank {r}: captures {res['shares_storage_with_final']} share storage with the "
+            "final hidden states"
+        )
+    for res in per_rank[1:]:
+        assert torch.equal(res["captures"], per_rank[0]["captures"]), (
+            f"rank {res['rank']} and rank 0 captured different tensors"
+        )
