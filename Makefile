@@ -16,7 +16,7 @@ APPLY := $(TOX) -q -e apply -- $(APPLY_FLAGS)
 
 .DEFAULT_GOAL := help
 .PHONY: help apply-patches export-patches check-patches wheel venv test lock clean \
-	ablation bench test-gpu docker-base docker-test upstream-status rebase pr-export
+	ablation bench bench-suite test-gpu docker-base docker-test upstream-status rebase pr-export
 
 $(TOOLS)/.stamp: requirements/tools.txt
 	$(PYTHON) -m venv $(TOOLS)
@@ -62,6 +62,9 @@ ablation: $(TOOLS)/.stamp ## run each regression test without its patch (must fa
 bench: $(TOOLS)/.stamp ## memory benchmark: list+cat vs packer
 	$(APPLY)
 	$(TOX) -q -e bench -- $(ARGS)
+bench-suite: $(TOOLS)/.stamp ## time make test (ARGS=--ablation: and the ablation); SGLang imports per process
+	$(APPLY)
+	$(TOX) -q -e bench-suite -- $(ARGS)
 test-gpu: $(TOOLS)/.stamp ## run the suites on CUDA/NCCL
 	$(APPLY)
 	$(TOX) -q -e test-gpu -- $(ARGS)

@@ -24,6 +24,7 @@ COMMANDS = {
     "test-gpu": ("harness.suites.gpu", "run the suites on CUDA/NCCL"),
     "ablation": ("harness.suites.ablation", "run each regression test without its patch (must fail) and with it"),
     "bench": ("harness.memory.bench", "memory benchmark: list+cat vs packer"),
+    "bench-suite": ("harness.suites.budget", "time the suites (and the ablation); count SGLang imports"),
     "docker-base": ("harness.docker.base", "build the Debian base image locally (debootstrap)"),
     "docker-test": ("harness.docker.image", "build the CPU image and run the suites inside"),
     "upstream-status": ("harness.upstream.status", "which patches later SGLang releases already carry"),

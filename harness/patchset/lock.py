@@ -26,6 +26,8 @@ LOCKS = [
     # (input, output, extra flags, packages stripped from the output)
     ("tools.in", "tools.txt", [], ()),
     ("test.in", "test.lock", ["--prerelease=allow"], ("sglang",)),
+    # The second base (BASE=0.5.23, patches/0.5.23/): its own torch and transformers.
+    ("test-0.5.23.in", "test-0.5.23.lock", ["--prerelease=allow"], ("sglang",)),
 ]
 
 

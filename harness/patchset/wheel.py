@@ -4,6 +4,13 @@ There is no sdist: take the pinned cp311 wheel from the cache, swap in the ``sgl
 files of build/sglang/python/sglang (the compiled ``*.so`` are kept from the wheel), set
 the version ``<pin>+auxcap.<series id>`` (METADATA, dist-info name, sglang/_version.py),
 regenerate RECORD and write a deterministic zip (fixed timestamps, sorted entries).
+
+Why not pypa ``wheel unpack`` / ``wheel pack`` (with SOURCE_DATE_EPOCH): they would do the
+RECORD and timestamps, but not the version rename (dist-info directory, METADATA,
+``_version.py``), so this module would keep most of its work; and this verb runs with the
+stdlib alone (the bare bootstrap interpreter, the GPU image's own Python), where ``wheel``
+is one more pinned package to provision for ~40 lines of zip and csv. The output is
+checked for determinism by tests/patchset/test_export_check_build.py.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import tempfile
 from types import SimpleNamespace
 from typing import Any
@@ -199,6 +200,10 @@ def init_sglang_distributed(
         init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="sglang-dist-"), "rendezvous")
     os.environ.pop("LOCAL_SIZE", None)  # keeps the CPU all-reduce on torch.distributed (gloo)
 
+    import time
+
+    first_import = "sglang.srt.server_args" not in sys.modules
+    t0 = time.monotonic()
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     sa_kwargs: dict[str, Any] = dict(
@@ -234,4 +239,20 @@ def init_sglang_distributed(
     atexit.register(release_shared_memory)
     _STATE = DistConfig(rank=rank, world_size=world_size, backend=backend, device=device,
                         init_method=init_method)
+    _log_import(rank, world_size, first_import, time.monotonic() - t0)
     return _STATE
+
+
+def _log_import(rank: int, world_size: int, first_import: bool, seconds: float) -> None:
+    """With ``$HARNESS_IMPORT_LOG``, one JSON line per process that brings SGLang up
+    (``make bench-suite`` counts them: the suites import SGLang once per process)."""
+    path = os.environ.get("HARNESS_IMPORT_LOG")
+    if not path:
+        return
+    import json
+
+    line = json.dumps({"pid": os.getpid(), "rank": rank, "world_size": world_size,
+                       "imported_sglang": first_import, "seconds": round(seconds, 2),
+                       "sglang_path": os.environ.get("HARNESS_SGLANG_PATH", "")})
+    with open(path, "a") as f:
+        f.write(line + "\n")

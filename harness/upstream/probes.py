@@ -608,12 +608,199 @@ def probe_capture_gather_scattered(tree: SourceTree) -> ProbeResult:
     return r
 
 
+# ---------------------------------------------------------------- every capturing model
+
+MODELS = "sglang/srt/models/"
+# (file, class whose forward captures) per patch of the model-wide series.
+DEFERRING_MODELS = [
+    ("gpt_oss.py", "GptOssModel"),
+    ("glm4_moe.py", "Glm4MoeModel"),
+    ("glm4_moe_lite.py", "Glm4MoeLiteModel"),
+    ("bailing_moe.py", "BailingMoEModel"),
+    ("qwen3_vl_moe.py", "Qwen3MoeLLMModel"),
+]
+CAPTURING_MODELS = DEFERRING_MODELS + [
+    ("apertus.py", "ApertusModel"),
+    ("arcee.py", "ArceeModel"),
+    ("exaone_moe.py", "ExaoneMoEModel"),
+    ("gemma3_causal.py", "Gemma3TextModel"),
+    ("gemma4_causal.py", "Gemma4TextModel"),
+    ("glm4.py", "Glm4Model"),
+    ("granitemoehybrid.py", "GraniteMoeHybridModel"),
+    ("llama.py", "LlamaModel"),
+    ("llama4.py", "Llama4Model"),
+    ("longcat_flash.py", "LongcatFlashModel"),
+    ("minimax_m2.py", "MiniMaxM2Model"),
+    ("qwen2.py", "Qwen2Model"),
+    ("qwen2_moe.py", "Qwen2MoeModel"),
+    ("qwen3_5.py", "Qwen3_5ForCausalLM"),
+    ("qwen3_next.py", "Qwen3NextModel"),
+    ("qwen3_vl.py", "Qwen3LLMModel"),
+]
+# gemma3/gemma4 captured the last layer at the pin already.
+FINAL_LAYER_MODELS = [m for m in CAPTURING_MODELS if m[0] not in ("gemma3_causal.py", "gemma4_causal.py")]
+TBO_MODELS = [
+    ("deepseek_v2.py", "DeepseekV2Model"),
+    ("glm4_moe.py", "Glm4MoeModel"),
+    ("glm4_moe_lite.py", "Glm4MoeLiteModel"),
+    ("qwen2_moe.py", "Qwen2MoeModel"),
+    ("minimax_m2.py", "MiniMaxM2Model"),
+]
+
+
+def _forward_of(tree: SourceTree, file: str, cls: str):
+    mod = tree.parse(MODELS + file)
+    c = find_class(mod, cls)
+    return None if c is None else methods(c).get("forward")
+
+
+def _per_model(name: str, tree: SourceTree, models, check) -> ProbeResult:
+    """Run ``check(forward) -> (bool | None, evidence)`` on each model's forward; present
+    only when every model has the change."""
+    r = ProbeResult(name, None)
+    verdicts = []
+    for file, cls in models:
+        fwd = _forward_of(tree, file, cls)
+        if fwd is None:
+            verdicts.append(None)
+            r.evidence.append(f"{MODELS}{file}: {cls}.forward not found")
+            continue
+        found, why = check(fwd)
+        verdicts.append(found)
+        r.evidence.append(f"{MODELS}{file}:{fwd.lineno}: {cls}: {why}")
+    r.found = combine([ProbeResult(name, v) for v in verdicts])
+    return r
+
+
+def _capture_kwargs(node: ast.AST) -> list[str]:
+    """Keyword arguments that hand a capture collector/callback to a callee."""
+    return sorted({
+        k.arg for n in ast.walk(node) if isinstance(n, ast.Call)
+        for k in n.keywords if k.arg and "captur" in k.arg
+    })
+
+
+def probe_models_capture_after_allreduce(tree: SourceTree) -> ProbeResult:
+    """Every model whose layers defer the all-reduce captures through its layers (which
+    capture after the deferred all-reduce), not ``hidden_states + residual`` in its loop."""
+
+    def check(fwd):
+        loops = _layer_loops(fwd)
+        sums = [n.lineno for lp in loops for n in ast.walk(lp) if _is_hidden_plus_residual(n)
+                and any(calls_attr(p, m) for p in [lp] for m in ("append", "capture"))]
+        handed = _capture_kwargs(ast.Module(body=[lp for lp in loops], type_ignores=[]))
+        if sums and not handed:
+            return False, f"captures hidden_states + residual in its layer loop (line {sums[0]})"
+        if handed and not sums:
+            return True, f"hands a capture to its layers ({', '.join(handed)})"
+        return None, "no capture in its layer loop" if not sums else "captures in the loop and hands one down"
+
+    return _per_model("models-capture-after-allreduce", tree, DEFERRING_MODELS, check)
+
+
+def probe_models_aux_packer(tree: SourceTree) -> ProbeResult:
+    """Every capturing model collects with AuxHiddenStatePacker, not a list."""
+
+    def check(fwd):
+        ids = identifiers(fwd)
+        if "AuxHiddenStatePacker" in ids:
+            return True, "collects with AuxHiddenStatePacker"
+        listy = [n.lineno for n in ast.walk(fwd) if isinstance(n, ast.Assign)
+                 and any(isinstance(t, ast.Name) and "aux" in t.id for t in n.targets)
+                 and (isinstance(n.value, ast.List) or (isinstance(n.value, ast.Call)
+                      and "AuxHiddenStateList" in identifiers(n.value.func)))]
+        if listy:
+            return False, f"collects into a list (line {listy[0]})"
+        return None, "no aux collector found"
+
+    return _per_model("models-aux-packer", tree, CAPTURING_MODELS, check)
+
+
+def probe_models_capture_final_layer(tree: SourceTree) -> ProbeResult:
+    """Every model that captures at its layer inputs also captures the last layer's
+    output after its loop when ``end_layer`` (or its no-PP equivalent) is requested."""
+
+    def check(fwd):
+        loops = _layer_loops(fwd)
+        if not loops:
+            return None, "no layer loop"
+        loop_end = max(_stmt_lines(lp)[1] for lp in loops)
+        hits = []
+        for n in ast.walk(fwd):
+            if getattr(n, "lineno", 0) <= loop_end:
+                continue
+            if isinstance(n, ast.Compare) and any(
+                isinstance(op, ast.In) for op in n.ops
+            ) and any("layers_to_capture" in identifiers(c) for c in n.comparators):
+                left = identifiers(n.left)
+                if left & {"end_layer", "num_layers", "layers", "total_num_layers", "num_hidden_layers"}:
+                    hits.append(n.lineno)
+        if hits:
+            return True, f"captures the last layer after its loop (line {min(hits)})"
+        return False, f"nothing captures end_layer after its loop (ends line {loop_end})"
+
+    return _per_model("models-capture-final-layer", tree, FINAL_LAYER_MODELS, check)
+
+
+def probe_models_capture_no_shortfall(tree: SourceTree) -> ProbeResult:
+    """Models with a two-batch-overlap path do not take it for a capturing forward."""
+
+    def check(fwd):
+        conds = [n for n in ast.walk(fwd) if isinstance(n, ast.If)
+                 and "can_run_tbo" in identifiers(n.test)]
+        if not conds:
+            return None, "no can_run_tbo branch"
+        guarded = [c.lineno for c in conds if identifiers(c.test) & {
+            "layers_to_capture", "aux_hidden_states", "capture_aux_hidden_states"}]
+        if guarded:
+            return True, f"the TBO branch (line {guarded[0]}) is not taken when capturing"
+        return False, f"takes the TBO path while capturing (line {conds[0].lineno})"
+
+    return _per_model("models-capture-no-shortfall", tree, TBO_MODELS, check)
+
+
+def probe_qwen3_next_last_layer_allreduce(tree: SourceTree) -> ProbeResult:
+    """qwen3_next's last layer never defers its all-reduce into the final norm: its
+    LayerCommunicators know the last layer, or (the layer-boundary rewrite) the model
+    completes the owed sum before the final norm."""
+    r = ProbeResult("qwen3-next-last-layer-allreduce", None)
+    rel = MODELS + "qwen3_next.py"
+    mod = tree.parse(rel)
+    if mod is None:
+        r.evidence.append(f"{rel}: not found")
+        return r
+    comms = [n for n in ast.walk(mod) if isinstance(n, ast.Call)
+             and _leaf(n.func) == "LayerCommunicator"]
+    if comms:
+        missing = [c.lineno for c in comms if not any(k.arg == "is_last_layer" for k in c.keywords)]
+        r.found = not missing
+        r.evidence.append(
+            f"{rel}: LayerCommunicator(...) at lines {', '.join(str(c.lineno) for c in comms)}"
+            + (f"; without is_last_layer at {', '.join(map(str, missing))}" if missing
+               else ": all pass is_last_layer")
+        )
+        return r
+    fwd = _forward_of(tree, "qwen3_next.py", "Qwen3NextModel")
+    if fwd is not None and identifiers(fwd) & {"complete_output", "final_norm"}:
+        r.found = True
+        r.evidence.append(f"{rel}: no LayerCommunicator; Qwen3NextModel.forward completes the "
+                          "owed sum before the final norm (layer-boundary rewrite)")
+    else:
+        r.evidence.append(f"{rel}: no LayerCommunicator and no completing final norm found")
+    return r
+
+
 PROBES: dict[str, Callable[[SourceTree], ProbeResult]] = {
     "comm-readonly-residual": probe_comm_readonly_residual,
     "dsv2-capture-after-allreduce": probe_dsv2_capture_after_allreduce,
     "aux-packer": probe_aux_packer,
     "dsv2-capture-final-layer": probe_dsv2_capture_final_layer,
     "capture-gather-scattered": probe_capture_gather_scattered,
+    "models-capture-after-allreduce": probe_models_capture_after_allreduce,
+    "models-aux-packer": probe_models_aux_packer,
+    "qwen3-next-last-layer-allreduce": probe_qwen3_next_last_layer_allreduce,
+    "models-capture-final-layer": probe_models_capture_final_layer,
+    "models-capture-no-shortfall": probe_models_capture_no_shortfall,
 }
 
 
