@@ -83,6 +83,7 @@ def _select_guarded(config, items):
         items[:] = keep
 
 SGLANG_INIT = "harness.ranks.sglang:init_sglang_distributed"
+SGLANG_PRELOAD = ("harness.ranks.preload",)  # = harness.ranks.sglang.PRELOAD (stdlib-only here)
 
 
 _PRESTARTED: list = []
@@ -101,7 +102,7 @@ def _prestart_rank_pools(request):
         from harness.ranks import get_pool
 
         for n in sorted(_WORLD_SIZES):
-            get_pool(n, backend, SGLANG_INIT, wait=False, timeout=900)
+            get_pool(n, backend, SGLANG_INIT, wait=False, timeout=900, preload=SGLANG_PRELOAD)
     yield
 
 
@@ -134,6 +135,8 @@ def rank_pool():
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if n < world_size:
                 pytest.skip(f"backend nccl needs {world_size} GPUs, {n} visible")
+        if init_fn == SGLANG_INIT:
+            pool_kwargs.setdefault("preload", SGLANG_PRELOAD)
         return get_pool(world_size, backend, init_fn, **pool_kwargs)
 
     yield make

@@ -47,11 +47,23 @@ def spec_key(spec: FnSpec | None) -> str | None:
     return f"{spec.__module__}:{spec.__qualname__}"
 
 
-def _parent_watchdog(ppid: int) -> None:
-    # A rank must never outlive its parent (e.g. pytest worker SIGKILLed).
+def _owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _parent_watchdog(owner_pid: int) -> None:
+    # A rank must never outlive the pool's owner (e.g. a pytest worker SIGKILLed). Its
+    # parent is the owner under spawn and the forkserver under forkserver, so the check
+    # is on the owner's pid, not on getppid().
     while True:
         time.sleep(1.0)
-        if os.getppid() != ppid:
+        if not _owner_alive(owner_pid):
             os._exit(70)
 
 

@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 INIT_FN = "harness.ranks.sglang:init_sglang_distributed"
+# What CPU rank pools preload in their forkserver (RankPool(preload=...)).
+PRELOAD = ("harness.ranks.preload",)
 
 _STATE: "DistConfig | None" = None
 

@@ -41,7 +41,9 @@ def _run(verb: str, log: Path) -> dict:
     lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     imports = [x for x in lines if x["imported_sglang"]]
     roles = Counter(
-        "in-process (TP=1)" if x["world_size"] == 1 else f"rank of a {x['world_size']}-rank pool"
+        "rank-pool forkserver" if x["rank"] < 0
+        else "in-process (TP=1)" if x["world_size"] == 1
+        else f"rank of a {x['world_size']}-rank pool"
         for x in imports
     )
     trees = Counter(x["sglang_path"] or "installed patched build" for x in imports)
