@@ -8,7 +8,20 @@ FORCE ?=
 SGLANG_SOURCE ?= wheel
 ARGS ?=
 SGLANG_VERSION ?=
+PROMOTE ?=
+# BASE: which base the patch tooling and suites work on (default: the pin, patches/).
+# BASE=0.5.23 is patches/0.5.23/, build/sglang-0.5.23, .tox/test-0.5.23.
+BASE ?=
+PIN_VERSION := $(shell sed -n 's/^  "version": "\(.*\)",$$/\1/p' patches/pin.json)
+# The newest base (highest version among patches/*/pin.json): pr-export's default.
+NEWEST_BASE := $(shell ls patches/*/pin.json 2>/dev/null | cut -d/ -f2 | sort -V | tail -n 1)
 export SGLANG_SOURCE
+export HARNESS_BASE := $(BASE)
+export HARNESS_BASE_SUFFIX := $(if $(filter-out $(PIN_VERSION),$(BASE)),-$(BASE),)
+# pr-export builds its bundles from the newest base unless BASE says otherwise.
+PR_BASE := $(or $(BASE),$(NEWEST_BASE),$(PIN_VERSION))
+pr-export: export HARNESS_BASE := $(PR_BASE)
+pr-export: export HARNESS_BASE_SUFFIX := $(if $(filter-out $(PIN_VERSION),$(PR_BASE)),-$(PR_BASE),)
 
 APPLY_FLAGS := $(if $(filter 1 yes true,$(FORCE)),--force,) --source $(SGLANG_SOURCE)
 # Targets that need build/sglang run this first; ARGS belong to the target's own verb.
@@ -26,7 +39,8 @@ $(TOOLS)/.stamp: requirements/tools.txt
 help: ## list targets and variables
 	@echo "targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 20
-	@echo "variables: FORCE=1 (apply-patches: discard local changes), SGLANG_SOURCE=wheel|git,"
+	@echo "variables: BASE=<version> (default: the pin $(PIN_VERSION); other bases: patches/*/pin.json),"
+	@echo "           FORCE=1 (apply-patches: discard local changes), SGLANG_SOURCE=wheel|git,"
 	@echo "           ARGS='...' (extra args for the verb, e.g. make test ARGS='-k comm')"
 
 apply-patches: $(TOOLS)/.stamp ## fetch + verify the pin, apply patches/ to build/sglang (FORCE=1, SGLANG_SOURCE=git)
@@ -74,8 +88,9 @@ docker-test: $(TOOLS)/.stamp ## build the CPU image and run the suites inside
 	$(TOX) -q -e docker-test -- $(ARGS)
 upstream-status: $(TOOLS)/.stamp ## which patches later SGLang releases already carry
 	$(TOX) -q -e upstream-status -- $(ARGS)
-rebase: $(TOOLS)/.stamp ## move the pin to SGLANG_VERSION=X, drop landed patches, re-apply the rest
+rebase: $(TOOLS)/.stamp ## port the series to SGLANG_VERSION=X as base X (drop landed); PROMOTE=1: make X the pin
 	@test -n "$(SGLANG_VERSION)" || { echo "error: make rebase needs SGLANG_VERSION=X (e.g. make rebase SGLANG_VERSION=0.5.17)" >&2; exit 2; }
-	$(TOX) -q -e rebase -- --to $(SGLANG_VERSION) $(ARGS)
-pr-export: $(TOOLS)/.stamp ## write an upstream PR bundle per upstream-bound patch
+	$(TOX) -q -e rebase -- --to $(SGLANG_VERSION) $(if $(filter 1 yes true,$(PROMOTE)),--promote,) $(if $(filter 1 yes true,$(FORCE)),--force,) $(ARGS)
+pr-export: $(TOOLS)/.stamp ## verified upstream PR bundles from the newest base (BASE=... for another) in build/pr/
+	$(APPLY)
 	$(TOX) -q -e pr-export -- $(ARGS)

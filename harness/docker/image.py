@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         raise HarnessError("requirements/test.lock missing: run `make lock` first")
     sid = series_id(lay)
     tag = args.tag or f"{IMAGE_REPO}:{sid}"
-    results = args.results or (lay.build / "results" / "docker")
+    results = args.results or (lay.results / "docker")
     progress(f"series {sid}: image {tag}")
     rc = 0
     t0 = time.monotonic()

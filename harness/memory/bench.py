@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"hidden": args.hidden, "k": args.k, "dtype": args.dtype, "device": device,
             "tracker": "live-storage (exact)" if device == "cpu" else "CUDA allocator peak",
             "torch": torch.__version__}
-    out = layout().build / "results" / "bench"
+    out = layout().results / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [

@@ -103,6 +103,12 @@ def extract_wheel_tree(wheel: Path, dest: Path) -> str:
 def clone_git_source(pin: dict[str, Any], dest: Path) -> None:
     """``git clone --depth 1 --branch <tag>`` the pin, verify the commit, keep ``python/sglang``."""
     info = pin["git"]
+    if not info.get("commit"):
+        # Nothing to verify the clone against (a base made by `rebase`): refuse before
+        # touching the network.
+        why = info.get("commit_status") or "git.commit is null"
+        raise HarnessError(f"sglang {pin['version']}: pin.json has no git.commit to verify a clone "
+                           f"against ({why}); use SGLANG_SOURCE=wheel")
     url = os.environ.get("HARNESS_GIT_URL", info["url"])
     timeout = float(os.environ.get("HARNESS_GIT_TIMEOUT", "30"))
     clone = dest.parent / (dest.name + ".clone")
@@ -279,7 +285,7 @@ def apply_patches(lay: Layout, force: bool = False, source: str = "wheel", updat
         assert state is not None
         same = (state.get("series_id"), state.get("source"), state.get("tool")) == (sid, source, TOOL_VERSION)
         if same and not update_lock:
-            progress(f"build/sglang up to date (series {sid}, {len(names)} patches)")
+            progress(f"{lay.rel(lay.tree)} up to date (series {sid}, {len(names)} patches)")
             return "up to date"
     if update_lock:
         wheel = fetch_wheel(lay, pin)

@@ -19,25 +19,35 @@ from harness.patchset.pin import load_pin
 from harness.patchset.scratch import scratch as scratch_dir
 from harness.patchset.series import parse_series, patch_files, patch_message
 
-# How SGLang's own formatters are run (its .pre-commit-config is not in the wheel; these
-# options leave the pristine pin's files unchanged with the versions in style.in).
+# How SGLang's own formatters and linters are run (its .pre-commit-config is not in the
+# wheel): name -> (package pinned in requirements/style*.in, argv that prints one line or
+# one diff hunk per finding). A base's style file pins the tools of that release: black +
+# isort for the pin, ruff's formatter for 0.5.23 (which keeps 0.5.23's files unchanged
+# where black does not). Findings are counted on each touched file before and after the
+# series: a patch may not add any (0.5.23's own files are not all clean).
 STYLE_ARGS = {
-    "black": ["black", "--check"],
-    "isort": ["isort", "--profile", "black", "-p", "sglang", "--check-only", "--quiet"],
-    "codespell": ["codespell_lib", "--ignore-words-list", "mis,ans"],
+    "black": ("black", ["black", "--diff", "--quiet"]),
+    "isort": ("isort", ["isort", "--profile", "black", "-p", "sglang", "--diff", "--quiet"]),
+    "ruff-format": ("ruff", ["ruff", "format", "--no-cache", "--diff", "--quiet"]),
+    "codespell": ("codespell", ["codespell_lib", "--ignore-words-list", "mis,ans"]),
     # SGLang's pre-commit runs ruff for unused imports / undefined names.
-    "ruff": ["ruff", "check", "--no-cache", "--select", "F401,F821"],
+    "ruff": ("ruff", ["ruff", "check", "--no-cache", "--output-format", "concise", "--select", "F401,F821"]),
 }
 REQUIRED_TRAILERS = ("Patch-Id", "Origin", "Forwarded", "Upstream-Status", "Drop-In")
 PATCH_ID_RE = re.compile(r"^[a-z0-9-]+$")
 DROP_IN_RE = re.compile(r"^(none|\d+(\.\d+)*(\.?post\d+|rc\d+)?)$")
 
 
+def style_file(lay: Layout) -> Path:
+    """requirements/style.in for the pin, requirements/style-<base>.in for another base."""
+    name = "style.in" if lay.base is None else f"style-{lay.base}.in"
+    path = lay.root / "requirements" / name
+    return path if path.exists() else ROOT / "requirements" / name
+
+
 def style_tools(lay: Layout) -> list[tuple[str, str]]:
-    """[(module, version)] pinned in requirements/style.in (the one place they are set)."""
-    path = lay.root / "requirements" / "style.in"
-    if not path.exists():
-        path = ROOT / "requirements" / "style.in"
+    """[(package, version)] pinned in the base's style file (the one place they are set)."""
+    path = style_file(lay)
     out = []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -164,7 +174,34 @@ def check_prefixes(lay: Layout, tree: Path, names: list[str]) -> list[str]:
     return problems
 
 
+def style_checks(lay: Layout) -> list[tuple[str, str, str]]:
+    """[(check, package, pinned version)] for the base: its pinned packages' checks; ruff's
+    formatter only where black is not pinned."""
+    pinned = dict(style_tools(lay))
+    out = []
+    for check, (package, _argv) in STYLE_ARGS.items():
+        if package not in pinned or (check == "ruff-format" and "black" in pinned):
+            continue
+        out.append((check, package, pinned[package]))
+    return out
+
+
+def _findings(argv: list[str], path: Path, cwd: Path) -> list[str]:
+    proc = subprocess.run(argv + [str(path)], cwd=cwd, capture_output=True, text=True)
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip() and not x.startswith("Oh no")]
+    hunks = [x for x in lines if x.startswith("@@")]
+    if hunks or any(x.startswith(("---", "+++")) for x in lines):
+        return hunks or lines[:1]
+    if proc.returncode != 0:
+        return [x for x in lines if not x.startswith(("Found ", "[*]", "All checks", "would reformat", "1 file"))] \
+            or [f"exit {proc.returncode}"]
+    return []
+
+
 def check_style(lay: Layout, tree: Path, names: list[str]) -> list[str]:
+    from harness.patchset.git import git
+    from harness.patchset.pin import base_tag
+
     problems = []
     files: list[str] = []
     for n in names:
@@ -173,25 +210,38 @@ def check_style(lay: Layout, tree: Path, names: list[str]) -> list[str]:
                 files.append(f)
     if not files:
         return []
-    cmds = {name: [sys.executable, "-m", *argv] for name, argv in STYLE_ARGS.items()}
-    for name, version in style_tools(lay):
-        mod = "codespell_lib" if name == "codespell" else name
-        if importlib.util.find_spec(mod) is None:
-            progress(f"  style: {name} not installed, skipped (pinned {version})")
-            continue
-        try:
-            from importlib.metadata import version as dist_version
-
-            have = dist_version(name)
-        except Exception:  # noqa: BLE001
-            have = "?"
-        if have != version:
-            progress(f"  style: {name} {have} installed, {version} pinned")
+    tag = base_tag(load_pin(lay))
+    with scratch_dir(lay.build, "style") as tmp:
+        before_dir = Path(tmp)
         for f in files:
-            proc = subprocess.run(cmds[name] + [f], cwd=tree, capture_output=True, text=True)
-            if proc.returncode != 0:
-                lines = [x for x in (proc.stdout + proc.stderr).strip().splitlines() if not x.startswith("Oh no")]
-                problems.append(f"style: {name}: {f}: " + (lines[0] if lines else f"exit {proc.returncode}"))
+            old = git(tree, "show", f"{tag}:{f}", check=False)
+            if old.returncode == 0:
+                dest = before_dir / f
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(old.stdout)
+        for check, package, version in style_checks(lay):
+            mod = "codespell_lib" if package == "codespell" else package
+            if importlib.util.find_spec(mod) is None:
+                progress(f"  style: {package} not installed, skipped (pinned {version})")
+                continue
+            try:
+                from importlib.metadata import version as dist_version
+
+                have = dist_version(package)
+            except Exception:  # noqa: BLE001
+                have = "?"
+            if have != version:
+                progress(f"  style: {package} {have} installed, {version} pinned")
+            argv = [sys.executable, "-m", *STYLE_ARGS[check][1]]
+            for f in files:
+                after = _findings(argv, Path(f), tree)
+                if not after:
+                    continue
+                before = _findings(argv, Path(f), before_dir) if (before_dir / f).exists() else []
+                if len(after) > len(before):
+                    new = [x for x in after if x not in before] or after
+                    problems.append(f"style: {check}: {f}: {len(after) - len(before)} new finding(s) "
+                                    f"({len(before)} at {tag}): {new[0]}")
     return problems
 
 

@@ -59,7 +59,7 @@ def _variant_tree(lay, index: int, pid: str) -> Path:
     if len(commits) < index + 1:
         raise HarnessError(f"{lay.rel(tree)} has {len(commits) - 1} patch commits; run `make apply-patches`")
     commit = commits[index]
-    dest = lay.build / "ablation" / f"without-{pid}"
+    dest = lay.ablation / f"without-{pid}"
     stamp = dest / ".commit"
     if stamp.exists() and stamp.read_text() == commit:
         return dest / "python"
@@ -75,7 +75,7 @@ def _variant_tree(lay, index: int, pid: str) -> Path:
 
 def _run_pytest(lay, label: str, guards: list[str], sglang_path: Path | None,
                 workers: str, extra: list[str]) -> dict[str, dict[str, str]]:
-    results_dir = lay.build / "results" / "ablation"
+    results_dir = lay.results / "ablation"
     results_dir.mkdir(parents=True, exist_ok=True)
     junit = results_dir / f"{label}.xml"
     if junit.exists():
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_report(lay, rows: list[dict[str, Any]], problems: list[str], ok: bool) -> None:
-    results = lay.build / "results"
+    results = lay.results
     results.mkdir(parents=True, exist_ok=True)
     (results / "ablation.json").write_text(json.dumps(
         {"ok": ok, "rows": rows, "problems": problems}, indent=2) + "\n")

@@ -63,7 +63,7 @@ def _run(verb: str, log: Path) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     lay = layout()
-    out = lay.build / "results" / "bench"
+    out = lay.results / "bench"
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     if not args.no_test:

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         )
     lay = layout()
     extra = args.passthrough
-    results = lay.build / "results"
+    results = lay.results
     results.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HARNESS_DEVICE="cuda", HARNESS_DIST_BACKEND="nccl")
     # One worker: ranks of a TP=4 pool already take four GPUs.

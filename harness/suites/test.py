@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     lay = layout()
     extra = args.passthrough
-    results = lay.build / "results"
+    results = lay.results
     results.mkdir(parents=True, exist_ok=True)
     has_path = any(not a.startswith("-") and (lay.root / a.split("::")[0]).exists() for a in extra)
     cmd = [sys.executable, "-m", "pytest", "-p", "xdist", "-n", "auto", "--dist", "loadgroup", "--junitxml", str(results / "junit.xml")]

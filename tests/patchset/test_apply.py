@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import signal
 import subprocess
@@ -278,6 +280,19 @@ def test_git_source_unreachable_fails_fast(root: Path) -> None:
     assert proc.returncode == 1
     assert "git clone" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert time.monotonic() - t0 < 20
+
+
+def test_git_source_without_a_commit_to_verify_refuses_offline(root: Path) -> None:
+    pin_file = root / "patches" / "pin.json"
+    pin = json.loads(pin_file.read_text())
+    pin["git"].update(commit=None, commit_status="unverified: set from a trusted clone")
+    pin_file.write_text(json.dumps(pin, indent=2) + "\n")
+    proc = run_cli(root, "apply-patches", "--source", "git", env={"HARNESS_GIT_URL": "http://192.0.2.1/x.git"})
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: sglang 0.5.13.post1: pin.json has no git.commit to verify a clone against "
+        "(unverified: set from a trusted clone); use SGLANG_SOURCE=wheel"]
+    assert not (root / "build" / "sglang").exists()
 
 
 def _upstream_repo(tmp_path: Path, root: Path) -> tuple[Path, str]:
