@@ -37,6 +37,11 @@ def pytest_configure(config):
         "markers", "world_size(n): needs a rank pool of n ranks (started early, see below)"
     )
     config.addinivalue_line("markers", "gpu: needs CUDA")
+    config.addinivalue_line(
+        "markers",
+        "bases(*versions): the SGLang versions whose base the test runs on (suites "
+        "written against their internals); unmarked tests run on the default base only",
+    )
 
 
 # Tests that import SGLang. They all run in one xdist worker, so SGLang is imported
@@ -60,6 +65,7 @@ def pytest_itemcollected(item):
 
 
 def pytest_collection_modifyitems(config, items):
+    _select_base(config, items)
     _select_guarded(config, items)
     for item in items:
         if _needs_sglang(item):
@@ -68,6 +74,30 @@ def pytest_collection_modifyitems(config, items):
     # Stable: in-process SGLang tests, then multirank ones, then everything else as is.
     items.sort(key=lambda it: (0 if _needs_sglang(it) and not it.get_closest_marker("world_size")
                                else 1 if _needs_sglang(it) else 2))
+
+
+def active_base() -> tuple[bool, str]:
+    """(whether it is the default base, its SGLang version): ``$HARNESS_BASE`` or the pin."""
+    from harness.patchset.layout import layout
+
+    lay = layout()
+    return lay.base is None, lay.label
+
+
+def _select_base(config, items):
+    """Keep the tests of the active base (``make test BASE=...``). A test marked
+    ``bases(versions...)`` runs on a base whose SGLang version is listed (suites written
+    against that version's internals); an unmarked one (the tooling) on the default
+    base only."""
+    default, version = active_base()
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("bases")
+        ok = version in marker.args if marker else default
+        (keep if ok else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def _select_guarded(config, items):

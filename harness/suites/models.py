@@ -195,6 +195,25 @@ def _tbo_executor(model, calls: List[int], enabled: bool):
             hidden_states, residual = out[0], out[1]
         return hidden_states, residual
 
+    if hasattr(module, "model_forward_stages"):
+        # 0.5.23: layers return hidden_states only (the residual lives in
+        # forward_batch.residual_stream) and the TBO executor is model_forward_stages.
+        def sequential_stages(layers, enable_tbo, positions, forward_batch, hidden_states,
+                              zero_allocator=None, **_):
+            calls.append(len(layers))
+            for layer in layers:
+                params = inspect.signature(layer.forward).parameters
+                kwargs = dict(positions=positions, hidden_states=hidden_states,
+                              forward_batch=forward_batch)
+                if "zero_allocator" in params:
+                    kwargs["zero_allocator"] = zero_allocator
+                out = layer(**kwargs)
+                hidden_states = out[0] if isinstance(out, tuple) else out
+            return hidden_states
+
+        with mock.patch.object(module, "model_forward_stages", sequential_stages):
+            yield
+        return
     if not hasattr(module, "model_forward_maybe_tbo"):
         raise RuntimeError(f"{module.__name__} has no model_forward_maybe_tbo: no TBO path")
     with mock.patch.object(module, "model_forward_maybe_tbo", sequential_tbo):
@@ -223,13 +242,19 @@ def _tensors(out) -> List[Any]:
     return flat
 
 
-def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_tokens: int = 6):
-    """(eager outputs, compiled outputs) of the model's real forward with these captures.
+def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_tokens: int = 6,
+                           fullgraph: bool = True):
+    """(eager outputs, compiled outputs, graph-break reasons) of the model's real forward
+    with these captures.
 
     The compile is ``torch.compile(fullgraph=True, backend="eager")``, as SGLang's
     piecewise CUDA graph compiles the model forward (with its own backend) on CUDA; a
-    graph break raises. Dynamo is on only for this compile (ranks run with it off).
+    graph break raises. With ``fullgraph=False`` the breaks are allowed and their
+    reasons returned (Dynamo's ``graph_break`` counters), for a base that cannot trace
+    fullgraph itself. Dynamo is on only for this compile (ranks run with it off).
     """
+    from torch._dynamo.utils import counters
+
     import torch
 
     from harness.standins.batch import make_forward_batch
@@ -260,10 +285,12 @@ def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_toke
             eager = [t.clone() for t in _tensors(spec.run(model, ids, positions, make_forward_batch(ids)))]
             with torch._dynamo.config.patch(disable=False):
                 torch._dynamo.reset()
-                compiled_model = Compiled(torch.compile(model.forward, fullgraph=True, backend="eager"))
+                counters.clear()
+                compiled_model = Compiled(torch.compile(model.forward, fullgraph=fullgraph, backend="eager"))
                 out = spec.run(compiled_model, ids, positions, make_forward_batch(ids))
                 compiled = [t.clone() for t in _tensors(out)]
+                breaks = sorted(str(reason) for reason in counters["graph_break"])
                 torch._dynamo.reset()
     finally:
         spec.configure(model, [])
-    return eager, compiled
+    return eager, compiled, breaks

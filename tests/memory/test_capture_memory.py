@@ -11,6 +11,9 @@ import pytest
 
 from harness.memory.capture import capture_path
 
+# Written against the pin's internals (LayerCommunicator, server-args globals).
+pytestmark = pytest.mark.bases("0.5.13.post1")
+
 GUARD = pytest.mark.guards("aux-packer")
 
 

@@ -24,14 +24,8 @@ import torch
 from harness.standins.models import specs
 from harness.suites.models import layer_sets
 
-# Patch-Id that fixes each bug of the survey (docs/MODELS.md).
-FIXED_BY = {
-    "A": "models-capture-after-allreduce",
-    "C": "models-capture-final-layer",
-    "E": "models-aux-packer",
-    "X": "models-aux-packer",
-    "F": "qwen3-next-last-layer-allreduce",
-}
+pytestmark = pytest.mark.bases("0.5.13.post1", "0.5.23")
+
 TPS = (1, 2, 4)
 
 
@@ -52,20 +46,20 @@ CASES = _cases()
 
 
 def guards_for(tp: int, case: dict) -> list[str]:
+    """The Patch-Ids (of the active base's series) whose bugs this case exercises."""
     spec = specs()[case["model"]]
     bugs = spec.bugs()
     with_last = spec.tiny.num_layers in case["layers_to_capture"]
     fused = tp > 1 and case["fusion"] != "off"
-    out = []
+    wanted = []
     if "C" in bugs and with_last:
-        out.append(spec.patch_for("C", FIXED_BY["C"]))
+        wanted.append("C")
     if "A" in bugs and fused and not with_last:
-        out.append(spec.patch_for("A", FIXED_BY["A"]))
-    for bug in sorted(bugs & {"E", "X"}):
-        out.append(spec.patch_for(bug, FIXED_BY[bug]))
+        wanted.append("A")
+    wanted += sorted(bugs & {"E", "X"})
     if "F" in bugs and fused:
-        out.append(spec.patch_for("F", FIXED_BY["F"]))
-    return sorted(set(out))
+        wanted.append("F")
+    return sorted({p for p in (spec.patch_for(b) for b in wanted) if p})
 
 
 def _params():

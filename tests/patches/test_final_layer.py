@@ -18,6 +18,9 @@ from harness.suites.capture import (
     reference_layer_outputs,
 )
 
+# Written against the pin's internals (LayerCommunicator, server-args globals).
+pytestmark = pytest.mark.bases("0.5.13.post1")
+
 GUARD = pytest.mark.guards("dsv2-capture-final-layer")
 
 

@@ -1,8 +1,9 @@
-"""No silent shortfall (patch models-capture-no-shortfall): a batch that can run
-two-batch overlap still gives K of K captures equal to the reference.
+"""No silent shortfall under two-batch overlap (the pin's models-capture-no-shortfall,
+0.5.23's models-capture-skips-tbo): a batch that can run TBO still gives K of K
+captures equal to the reference.
 
-The models whose forward sends layers through ``model_forward_maybe_tbo`` (survey bug
-"T"). The TBO executor is a sequential CPU stand-in: the same layers and math and, like
+The models whose forward sends layers through the TBO executor (survey bug "T":
+``model_forward_maybe_tbo`` on the pin, ``model_forward_stages`` on 0.5.23). The TBO executor is a sequential CPU stand-in: the same layers and math and, like
 SGLang's operation strategies, no captures, so without the patch the captures of those
 layers are missing (or the model returns none at all).
 """
@@ -15,12 +16,15 @@ import torch
 from harness.standins.models import specs
 from harness.suites.models import capture_case, layer_sets
 
+pytestmark = pytest.mark.bases("0.5.13.post1", "0.5.23")
+
 TBO_MODELS = sorted(n for n, s in specs().items() if "T" in s.bugs())
 
 
-@pytest.mark.guards("models-capture-no-shortfall")
 @pytest.mark.parametrize("layers_name", ["eagle3-default", "dflash"])
-@pytest.mark.parametrize("name", TBO_MODELS)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.guards(specs()[n].patch_for("T"))) for n in TBO_MODELS]
+)
 def test_two_batch_overlap_batch_captures_k_of_k(sglang_tp1, name, layers_name):
     layers = layer_sets(specs()[name].tiny.num_layers)[layers_name]
     res = capture_case(0, 1, model=name, layers_to_capture=layers, tbo=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.guards("aux-packer")
+pytestmark = [pytest.mark.guards("aux-packer"), pytest.mark.bases("0.5.13.post1")]
 
 
 @pytest.fixture(scope="module")

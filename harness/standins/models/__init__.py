@@ -90,9 +90,11 @@ class ModelSpec:
     def bugs(self) -> frozenset:
         return self.pin_bugs
 
-    def patch_for(self, bug: str, default: str) -> str:
-        """The Patch-Id whose regression tests on this model guard ``bug``."""
-        return self.fixed_by.get(bug, default)
+    def patch_for(self, bug: str, default: Optional[str] = None) -> Optional[str]:
+        """The Patch-Id whose regression tests on this model guard ``bug``: the spec's
+        own, else ``default``, else the active base's series-wide one (:func:`fixed_by`);
+        None when that series does not fix ``bug``."""
+        return self.fixed_by.get(bug, default or fixed_by().get(bug))
 
 
 def hf_config(tc: TinyConfig, cls: Any = None, **fields: Any):
@@ -123,16 +125,45 @@ def hf_config(tc: TinyConfig, cls: Any = None, **fields: Any):
 
 # ---------------------------------------------------------------- registry
 
+# The pin's series: the Patch-Id that fixes each bug of the survey (docs/MODELS.md) in
+# every model whose spec names no other (``ModelSpec.fixed_by``).
+FIXED_BY = {
+    "A": "models-capture-after-allreduce",
+    "B": "models-aux-packer",
+    "C": "models-capture-final-layer",
+    "E": "models-aux-packer",
+    "X": "models-aux-packer",
+    "F": "qwen3-next-last-layer-allreduce",
+    "T": "models-capture-no-shortfall",
+}
+
+
+def fixed_by() -> dict[str, str]:
+    """The active base's bug -> Patch-Id map: :data:`FIXED_BY` on the pin, the other
+    base's ``models.FIXED_BY``; a bug its series leaves alone has no entry."""
+    from harness.standins import bases
+
+    pkg = bases.package()
+    if pkg is None:
+        return FIXED_BY
+    return importlib.import_module(pkg + ".models").FIXED_BY
+
+
 _SPECS: Optional[dict[str, ModelSpec]] = None
 
 
 def specs() -> dict[str, ModelSpec]:
-    """Every :class:`ModelSpec` in this package, by name."""
+    """Every :class:`ModelSpec` of the active base, by name: this package's on the pin,
+    ``harness.standins.v<base>.models``'s on another base."""
     global _SPECS
     if _SPECS is None:
+        from harness.standins import bases
+
+        pkg_name = __name__ if bases.package() is None else bases.package() + ".models"
+        pkg = importlib.import_module(pkg_name)
         found: dict[str, ModelSpec] = {}
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-            mod = importlib.import_module(f"{__name__}.{info.name}")
+        for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+            mod = importlib.import_module(f"{pkg_name}.{info.name}")
             for spec in getattr(mod, "SPECS", []):
                 if spec.name in found:
                     raise ValueError(f"two model specs named {spec.name!r}")
