@@ -16,6 +16,14 @@ The unit test comes from ``harness/upstream/templates/<patch-id>.py`` (SGLang la
 ``test/registered/...``, ``register_cpu_ci``/``register_cuda_ci`` markers, unittest,
 runnable as ``python3 file.py``); its destination path is declared in the template's
 ``# upstream-path:`` header line.
+
+On another base (``make pr-export`` uses the newest one, ``patches/<version>/``; see
+:func:`export_from_base`) the bundles are built from that base's own series instead:
+each patch goes onto the pristine release alone (its series exists because that
+release lacks it, so nothing upstream already has rides along), the template for that
+base (``templates/<version>/<patch-id>.py``) is folded in, and the bundle is verified:
+the bundle's patch passes ``git apply --check`` on the pristine release tree, and its
+test fails there and passes with the patch; ``description.md`` shows both runs.
 """
 
 from __future__ import annotations
@@ -72,9 +80,10 @@ def strip_trailers(body: str) -> str:
     return "\n\n".join(paras).strip()
 
 
-def template_for(patch_id: str) -> tuple[str, str] | None:
-    """(upstream path, source) of the PR unit test for ``patch_id``, or None."""
-    path = TEMPLATES / f"{patch_id.replace('-', '_')}.py"
+def template_for(patch_id: str, base: str | None = None) -> tuple[str, str] | None:
+    """(upstream path, source) of the PR unit test for ``patch_id`` on ``base`` (None: the
+    pin's, in ``templates/``; another base's in ``templates/<base>/``), or None."""
+    path = (TEMPLATES if base is None else TEMPLATES / base) / f"{patch_id.replace('-', '_')}.py"
     if not path.exists():
         return None
     text = path.read_text()
@@ -87,7 +96,7 @@ def template_for(patch_id: str) -> tuple[str, str] | None:
 def test_evidence(lay: Layout, patch_id: str) -> list[str]:
     """Markdown lines from the last harness run, or "not run"."""
     out: list[str] = []
-    ablation = lay.build / "results" / "ablation.json"
+    ablation = lay.results / "ablation.json"
     if ablation.exists():
         try:
             data = json.loads(ablation.read_text())
@@ -104,7 +113,7 @@ def test_evidence(lay: Layout, patch_id: str) -> list[str]:
             out.append(f"Ablation ({lay.rel(ablation)}): no entry for `{patch_id}`.")
     else:
         out.append("Ablation (each regression test fails without the patch): not run.")
-    memory = lay.build / "results" / "bench" / "memory.md"
+    memory = lay.results / "bench" / "memory.md"
     out.append("")
     if memory.exists():
         text = memory.read_text().strip()
@@ -170,6 +179,8 @@ def pr_export(
         upstream_status,
     )
 
+    if lay.base is not None:
+        return export_from_base(lay, only=only, remote=remote, out=out)
     pin = load_pin(lay)
     patches = load_series(lay)
     if status_json:
@@ -309,3 +320,157 @@ def _push(pid, target, patch_names, deps, remote, test_path) -> str:
         lines.append(f"python3 {test_path}")
     lines += [f"git push {remote} HEAD:{ref}", "```", ""]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- from another base
+
+TEST_TIMEOUT = 600  # seconds for one run of a bundle's unit test
+
+
+def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "<remote>",
+                     out: Path | None = None) -> list[Path]:
+    """One verified bundle per ``Forwarded: yes`` patch of this base's series, on the
+    pristine release it is based on (``build/sglang-<base>`` at its base tag)."""
+    from harness.patchset.export import FORMAT_PATCH_FLAGS
+    from harness.patchset.pin import base_tag
+    from harness.upstream.status import load_series
+
+    pin = load_pin(lay)
+    release = pin["version"]
+    if not (lay.tree / ".git").exists():
+        raise HarnessError(f"{lay.rel(lay.tree)}: no tree of {release}; run `make apply-patches BASE={release}` first")
+    tag = base_tag(pin)
+    if git(lay.tree, "rev-parse", "-q", "--verify", f"refs/tags/{tag}", check=False).returncode != 0:
+        raise HarnessError(f"{lay.rel(lay.tree)}: no tag {tag}; rebuild it with `make apply-patches BASE={release} FORCE=1`")
+    patches = load_series(lay)
+    out = out or lay.build / "pr"
+    written: list[Path] = []
+    for idx, p in enumerate(patches):
+        if only and p.id not in only:
+            continue
+        if not p.forwarded:
+            progress(f"{p.id}: Forwarded: {p.trailers.get('Forwarded', '?')}; no bundle")
+            continue
+        tmpl = template_for(p.id, lay.base)
+        if tmpl is None:
+            raise HarnessError(f"{p.name}: no upstream test template "
+                               f"harness/upstream/templates/{lay.base}/{p.id.replace('-', '_')}.py")
+        progress(f"{p.id}: building PR bundle on sglang {release}")
+        dest = out / p.id
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        test_path, test_src = tmpl
+        with scratch(lay.build, "pr") as tmp:
+            repo = _pristine_clone(lay.tree, tag, Path(tmp) / "sglang")
+            deps = _apply_alone_or_with_prefix(repo, p, patches[:idx], release)
+            git(repo, "tag", "pr-base", "HEAD^")  # below the patch, above its deps
+            (repo / test_path).parent.mkdir(parents=True, exist_ok=True)
+            (repo / test_path).write_text(test_src)
+            git(repo, "add", "-f", test_path)
+            (Path(tmp) / "msg").write_text(p.subject + "\n\n" + strip_trailers(p.body) + "\n")
+            git(repo, "commit", "-q", "--amend", "--no-verify", "-F", str(Path(tmp) / "msg"))
+            pf = [Path(x) for x in git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest), "pr-base..HEAD").stdout.split()]
+            if deps:
+                git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest / "deps"), f"{tag}..pr-base")
+            stat = git(repo, "diff", "--stat", "pr-base..HEAD").stdout.rstrip()
+            # Verify on a fresh pristine tree, as a reviewer would: apply --check, then
+            # the test without the patch (must fail) and with it (must pass).
+            check = _pristine_clone(lay.tree, tag, Path(tmp) / "check")
+            for d in sorted((dest / "deps").glob("*.patch")) if deps else []:
+                git(check, "am", "--keep-cr", "--no-3way", str(d))
+            applied = git(check, "apply", "--check", *map(str, pf), check=False)
+            if applied.returncode != 0:
+                raise HarnessError(f"{p.id}: bundle patch {pf[0].name} does not apply to pristine {release}: "
+                                   + (applied.stderr.strip().splitlines() or ["git apply --check failed"])[0])
+            (check / test_path).parent.mkdir(parents=True, exist_ok=True)
+            (check / test_path).write_text(test_src)
+            without = _run_test(check, test_path)
+            (check / test_path).unlink()
+            git(check, "apply", *map(str, pf))
+            with_patch = _run_test(check, test_path)
+        if without["rc"] == 0:
+            raise HarnessError(f"{p.id}: {test_path} passes on pristine {release} without {p.name}: "
+                               "it does not test the bug")
+        if with_patch["rc"] != 0:
+            raise HarnessError(f"{p.id}: {test_path} fails on {release} with {p.name}: {with_patch['last']}")
+        (dest / "upstream_test.py").write_text(test_src)
+        patch_names = [f.name for f in pf]
+        (dest / "title.txt").write_text(p.subject + "\n")
+        (dest / "description.md").write_text(
+            _base_description(p, release, test_path, deps, stat, without, with_patch))
+        (dest / "PUSH.md").write_text(_push(p.id, release, patch_names, deps, remote, test_path))
+        (dest / "bundle.json").write_text(json.dumps({
+            "id": p.id, "title": p.subject, "base_release": release, "base_tag": f"v{release}",
+            "patches": patch_names, "deps": [q.id for q in deps], "test": test_path,
+            "branch": PUSH_REF.format(id=p.id), "notes": [],
+            "verified": {"apply_check": "ok", "test_without_patch": without["summary"],
+                         "test_with_patch": with_patch["summary"]},
+        }, indent=2) + "\n")
+        progress(f"  wrote {lay.rel(dest)} ({', '.join(patch_names)}); test fails without, passes with")
+        written.append(dest)
+    return written
+
+
+def _pristine_clone(tree: Path, tag: str, dest: Path) -> Path:
+    """A throwaway checkout of ``tag`` that shares ``tree``'s objects."""
+    git(dest.parent, "clone", "-q", "--shared", "--no-checkout", str(tree), str(dest))
+    git(dest, "checkout", "-q", "-b", "pr", tag)
+    return dest
+
+
+def _apply_alone_or_with_prefix(repo: Path, p, prefix: list, release: str) -> list:
+    """``git am`` the patch on the pristine release; when it needs earlier patches of the
+    series, those go first (returned: the bundle's deps/)."""
+    if git(repo, "am", "--keep-cr", "--no-3way", str(p.path), check=False).returncode == 0:
+        return []
+    git(repo, "am", "--abort", check=False)
+    for q in prefix:
+        if git(repo, "am", "--keep-cr", "--no-3way", str(q.path), check=False).returncode != 0:
+            git(repo, "am", "--abort", check=False)
+            raise HarnessError(f"{p.id}: prefix patch {q.name} does not apply on {release}")
+    if git(repo, "am", "--keep-cr", "--no-3way", str(p.path), check=False).returncode != 0:
+        git(repo, "am", "--abort", check=False)
+        raise HarnessError(f"{p.id}: {p.name} does not apply on {release}, alone or after its series prefix")
+    return list(prefix)
+
+
+def _run_test(tree: Path, test_path: str) -> dict[str, Any]:
+    """``python3 <test>`` in ``tree`` with ``tree/python`` first on the import path."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        x for x in (str(tree / "python"), os.environ.get("PYTHONPATH")) if x))
+    cmd = [sys.executable, test_path]
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, output = 124, f"timed out after {TEST_TIMEOUT}s\n" + str(exc.stdout or "")
+    lines = [x for x in output.strip().splitlines() if x.strip()]
+    tail = [x for x in lines if not x.lstrip().startswith(("warnings.warn", "/"))][-12:]
+    summary = next((x for x in reversed(lines) if x.startswith(("OK", "FAILED", "Ran "))), f"exit {rc}")
+    return {"rc": rc, "tail": tail, "summary": summary.strip(), "last": tail[-1] if tail else f"exit {rc}"}
+
+
+def _base_description(p, release, test_path, deps, stat, without, with_patch) -> str:
+    body = strip_trailers(p.body)
+    lines = [f"# {p.subject}", "", "## Motivation", "", body.split("\n\nFix:")[0].strip(), "", "## Change", ""]
+    m = re.search(r"(?ms)^Fix:\s*(.+?)(?:\n\n[A-Z][a-z]+:|\Z)", body)
+    if m:
+        change = m.group(1).strip()
+        lines += [change[:1].upper() + change[1:], ""]
+    lines += [f"Based on SGLang v{release}. Files:", "", "```", stat, "```", ""]
+    origin = p.trailers.get("Origin", "new")
+    if origin.startswith("new, port of"):
+        lines += [f"Port of {origin.split('port of', 1)[1].strip()}.", ""]
+    if deps:
+        lines += ["Depends on (apply/merge first): " + ", ".join(f"`{q.id}`" for q in deps), ""]
+    lines += ["## Tests", "", f"New unit test `{test_path}` (registered for CI; runs as `python3 {test_path}`).", "",
+              f"Checked on a clean checkout of v{release} (`git apply --check`: OK):", ""]
+    for label, res in ((f"without this change (v{release})", without), ("with this change", with_patch)):
+        verdict = "passes" if res["rc"] == 0 else "fails"
+        lines += [f"- {label}: {verdict} (exit {res['rc']}, `{res['summary']}`)", "", "```", *res["tail"], "```", ""]
+    return "\n".join(lines).rstrip() + "\n"

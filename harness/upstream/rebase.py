@@ -1,19 +1,27 @@
-"""``rebase --to X``: move the pin to SGLang release X and re-apply the series.
+"""``rebase --to X``: port the series to SGLang release X as a new base; ``--promote X``
+makes that base the pin once its tests are green.
 
-1. Read X from the index: wheel sha256s (cp311 + cp312 manylinux x86_64), download and
-   verify the cp311 wheel, compute ``source_tree_sha256``. The git commit of tag ``vX``
-   cannot be checked from here: ``git.commit`` is left null with
-   ``git.commit_status: "unverified"`` (a git-source build then fails loudly until set).
-2. Drop every patch whose static probe says X already has it (removed from the series,
-   file deleted). Patches without a probe are kept.
-3. Rebuild build/sglang on X (pristine commit tagged ``base/vX``, branch ``patched``) and
-   ``git am`` the remaining patches (offsets allowed, no fuzz, no 3-way).
-   On the first conflict it stops, on purpose, with the ``git am`` session open, the
-   hunks that do apply applied and ``*.rej`` files for the rest, and prints what to do:
-   resolve, ``git am --continue``, then ``make export-patches``.
-   On success it exports the refreshed series right away.
+Moving the pin is the same machinery as the second base (README, "Moving the pin"):
 
-``--dry-run`` does all of it in a scratch dir and changes nothing.
+1. A new base. Read X from the index: wheel sha256s (cp311 + cp312 manylinux x86_64),
+   download and verify the cp311 wheel, compute ``source_tree_sha256`` and write
+   ``patches/X/pin.json``. The git commit of tag ``vX`` cannot be checked from here:
+   ``git.commit`` is left null with ``git.commit_status: "unverified"`` (a git-source
+   build then fails loudly until set).
+2. Drop what landed: every patch of the current series whose static probe says X
+   already has it is left out of ``patches/X/series``. Patches without a probe are kept.
+3. Port the rest: build ``build/sglang-X`` on X (pristine commit tagged ``base/vX``,
+   branch ``patched``) and ``git am`` the kept patches (offsets allowed, no fuzz, no
+   3-way). On the first conflict it stops, on purpose, with the ``git am`` session
+   open, the hunks that do apply applied and ``*.rej`` files for the rest, and prints
+   what to do: resolve, ``git am --continue``, then ``make export-patches BASE=X``. On
+   success it exports ``patches/X/`` right away. The pin and its series are untouched.
+4. Tests green: ``make test BASE=X`` (the stand-ins for X's internals live in
+   ``harness.standins.v<X>``), ``make ablation BASE=X``. Then ``--promote X`` checks
+   that the last ``make test BASE=X`` passed after the series last changed, and moves
+   ``patches/X/`` over the pin's series and ``build/*-X`` over ``build/*``.
+
+``--dry-run`` does steps 1-3 in a scratch dir and changes nothing.
 """
 
 from __future__ import annotations
@@ -43,13 +51,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dry-run", action="store_true", help="report only; change nothing")
     p.add_argument("--force", action="store_true",
-                   help="replace build/sglang even if it has unexported work")
+                   help="replace an existing patches/X and build/sglang-X")
+    p.add_argument("--promote", action="store_true",
+                   help="make base X (already ported, tests green) the pin")
 
 
 def run(args: argparse.Namespace) -> int:
     lay = layout()
     if not args.to:
         raise HarnessError("rebase: no target release; pass --to X (make rebase SGLANG_VERSION=X)")
+    if args.promote:
+        promote(lay, args.to)
+        return 0
     result = rebase(lay, args.to, dry_run=args.dry_run, force=args.force)
     return 0 if result["status"] in ("ok", "dry-run ok") else 1
 
@@ -101,10 +114,15 @@ def rebase(lay: Layout, version: str, dry_run: bool = False, force: bool = False
     if version == old["version"]:
         raise HarnessError(f"the pin is already {version}")
     patches = load_series(lay)
-    if lay.tree.exists() and not force and not dry_run:
-        problem = tree_problem(lay, read_state(lay))
-        if problem:
-            raise HarnessError(f"{problem}; run `make export-patches` first, or pass --force")
+    new = Layout(lay.root, version)  # the new base: patches/X, build/sglang-X
+    if not dry_run and not force:
+        if new.patches.exists():
+            raise HarnessError(f"{new.rel(new.patches)}: base {version} exists already; "
+                               "work on it with BASE=" + version + ", or pass --force (FORCE=1) to redo it")
+        if new.tree.exists():
+            problem = tree_problem(new, read_state(new))
+            if problem:
+                raise HarnessError(f"{problem}; run `make export-patches BASE={version}` first, or pass --force")
     index = fetch_index(lay.cache, package)
     if version not in release_files(index, package):
         raise HarnessError(f"{package} {version}: not on {index.get('_url')}")
@@ -134,7 +152,7 @@ def rebase(lay: Layout, version: str, dry_run: bool = False, force: bool = False
                               "kept": [p.id for p in keep], "status": "ok", "conflict": None}
     with scratch.scratch(lay.build, "rebase") as tmp:
         work = tmp / "sglang"
-        info = build_tree(lay, work, pin, "wheel", [], verbose=False)
+        info = build_tree(new, work, pin, "wheel", [], verbose=False)
         if keep:
             am = git(work, "am", "--keep-cr", "--no-3way", "--committer-date-is-author-date",
                      *[str(p.path) for p in keep], check=False)
@@ -159,34 +177,78 @@ def rebase(lay: Layout, version: str, dry_run: bool = False, force: bool = False
             result["status"] = "dry-run " + result["status"]
             _report(lay, result, dry_run=True)
             return result
-        # 3. commit to the new pin: pin.json, series, tree, state
-        write_pin(lay, pin)
-        header, names = parse_series(lay.series_file.read_text())
-        drop_files = {d["file"] for d in dropped}
-        names = [n for n in names if n not in drop_files]
-        lay.series_file.write_text("\n".join(header + names) + "\n")
-        for f in drop_files:
-            (lay.patches / f).unlink(missing_ok=True)
+        # 3. write the new base: patches/X (pin.json, series, kept patches), build/sglang-X
+        if new.patches.exists():
+            scratch.remove_tree(new.patches)
+        new.patches.mkdir(parents=True)
+        write_pin(new, pin)
+        header, _names = parse_series(lay.series_file.read_text())
+        header = [f"# Base {version}: the series ported from {old['version']} by `make rebase "
+                  f"SGLANG_VERSION={version}` (landed patches dropped)."] + [
+            h for h in header if not h.startswith("# Base ")]
+        new.series_file.write_text("\n".join(header + [p.name for p in keep]) + "\n")
+        for p in keep:
+            (new.patches / p.name).write_bytes(p.path.read_bytes())
         state = {
-            "series_id": series_id(lay), "source": "wheel", "pin_version": version,
+            "series_id": series_id(new), "source": "wheel", "pin_version": version,
             "patches": [p.name for p in applied], **info, "head": head,
         }
         if getattr(patchset, "TOOL_VERSION", None) is not None:
             state["tool"] = patchset.TOOL_VERSION
         if result["status"] != "ok":
             state["rebase_conflict"] = result["conflict"]
-        write_state(lay, state, work)
-        if lay.tree.exists():
-            old_tree = scratch.aside(lay.build, "sglang-old")
-            lay.tree.rename(old_tree)
+        write_state(new, state, work)
+        if new.tree.exists():
+            old_tree = scratch.aside(lay.build, f"sglang-{version}-old")
+            new.tree.rename(old_tree)
             scratch.remove_tree(old_tree)
-        work.rename(lay.tree)
+        work.rename(new.tree)
     if result["status"] == "ok":
         from harness.patchset.export import export_patches
 
-        export_patches(lay)
-    _report(lay, result)
+        export_patches(new)
+    _report(new, result)
     return result
+
+
+def promote(lay: Layout, version: str) -> None:
+    """Make base ``version`` the pin: its series replaces the pin's, its trees the pin's."""
+    import xml.etree.ElementTree as ET
+
+    if lay.base is not None:
+        raise HarnessError("rebase --promote works from the pin (run it without BASE=)")
+    new = Layout(lay.root, version)
+    if not new.pin_file.exists():
+        raise HarnessError(f"{new.rel(new.patches)}: no base {version}; run `make rebase SGLANG_VERSION={version}` first")
+    junit = new.results / "junit.xml"
+    if not junit.exists():
+        raise HarnessError(f"base {version}: no test results ({new.rel(junit)}); run `make test BASE={version}` first")
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    bad = sum(int(suite.get(k, 0)) for k in ("failures", "errors")) if suite is not None else 1
+    if bad:
+        raise HarnessError(f"base {version}: the last `make test BASE={version}` had {bad} failure(s); fix them first")
+    newest = max(f.stat().st_mtime for f in new.patches.iterdir())
+    if junit.stat().st_mtime < newest:
+        raise HarnessError(f"base {version}: {new.rel(new.patches)} changed after the last "
+                           f"`make test BASE={version}`; run it again")
+    old_version = load_pin(lay)["version"]
+    for f in list(lay.patches.glob("*.patch")) + [lay.series_file, lay.pin_file]:
+        f.unlink(missing_ok=True)
+    for f in sorted(new.patches.iterdir()):
+        f.rename(lay.patches / f.name)
+    new.patches.rmdir()
+    for kind in ("sglang", "dist", "results", "ablation"):
+        src, dst = lay.build / f"{kind}-{version}", lay.build / kind
+        if dst.exists():
+            old_tree = scratch.aside(lay.build, f"{kind}-old")
+            dst.rename(old_tree)
+            scratch.remove_tree(old_tree)
+        if src.exists():
+            src.rename(dst)
+    progress(f"promoted: the pin is {version} now (was {old_version}); patches/ holds its series")
+    progress(f"tests marked bases(\"{old_version}\") no longer run: port them to {version} or delete them;")
+    progress(f"the stand-ins for {version} stay in harness.standins.v{version.replace('.', '_')} (they follow the version)")
 
 
 def _report(lay: Layout, result: dict[str, Any], dry_run: bool = False) -> None:
@@ -200,7 +262,9 @@ def _report(lay: Layout, result: dict[str, Any], dry_run: bool = False) -> None:
         if dry_run:
             progress("dry run: every kept patch applies; nothing changed")
         else:
-            progress(f"ok: pin.json now {result['to']} (git commit {UNVERIFIED}); patches/ re-exported")
+            progress(f"ok: base {result['to']} in {lay.rel(lay.patches)} (git commit {UNVERIFIED}); the pin is unchanged")
+            progress(f"next: make test BASE={result['to']} && make ablation BASE={result['to']}, then "
+                     f"make rebase SGLANG_VERSION={result['to']} PROMOTE=1 to make it the pin")
         return
     c = result["conflict"]
     progress(f"CONFLICT: {c['patch']} ({c['id']}) does not apply on {result['to']}:")
@@ -216,7 +280,7 @@ def _report(lay: Layout, result: dict[str, Any], dry_run: bool = False) -> None:
     progress("  # edit the files using the .rej hunks, then remove the .rej files")
     progress("  git add -A && git am --continue      # later patches continue; repeat on the next stop")
     progress("  # (or `git am --skip` to drop this patch if upstream already has it)")
-    progress("  cd - && make export-patches           # writes the refreshed series to patches/")
+    progress(f"  cd - && make export-patches BASE={result['to']}   # writes the ported series to {lay.rel(lay.patches)}/")
     if c["pending"]:
         progress(f"still to apply after it: {', '.join(c['pending'])}")
-    progress("pin.json and patches/series already point at the new release.")
+    progress(f"{lay.rel(lay.patches)}/pin.json and series already point at {result['to']}; the pin is unchanged.")

@@ -27,14 +27,18 @@ def test_strip_trailers_keeps_foreign_trailers():
     assert strip_trailers("Why.\n\nPatch-Id: x\nForwarded: yes") == "Why."
 
 
-def test_templates_are_upstream_style():
-    for pid in ("dsv2-capture-final-layer", "aux-packer"):
-        path, src = template_for(pid)
-        assert path.startswith("test/registered/") and Path(path).name.startswith("test_")
-        assert "register_cpu_ci(" in src or "register_cuda_ci(" in src
-        assert "unittest.main()" in src and 'if __name__ == "__main__":' in src
-        assert "upstream-path" not in src
-        compile(src, path, "exec")
+@pytest.mark.parametrize("base, pid", [
+    (None, "dsv2-capture-final-layer"), (None, "aux-packer"),
+    *(("0.5.23", p.stem.replace("_", "-"))
+      for p in sorted((Path(__file__).resolve().parents[2] / "harness/upstream/templates/0.5.23").glob("*.py"))),
+])
+def test_templates_are_upstream_style(base, pid):
+    path, src = template_for(pid, base)
+    assert path.startswith("test/registered/") and Path(path).name.startswith("test_")
+    assert "register_cpu_ci(" in src or "register_cuda_ci(" in src
+    assert "unittest.main()" in src and 'if __name__ == "__main__":' in src
+    assert "upstream-path" not in src and "harness" not in src
+    compile(src, path, "exec")
 
 
 def test_bundle_for_patch_not_landed(fixture_root):
@@ -115,3 +119,117 @@ def test_cli_verb(fixture_root):
     )
     assert proc.returncode == 0, proc.stderr
     assert (root / "build" / "pr" / "aux-packer" / "PUSH.md").exists()
+
+
+# ------------------------------------------------- bundles from another base (newest)
+
+BASE = "9.9"
+BUGGY = "def answer():\n    return 41\n"
+FIXED = "def answer():\n    return 42\n"
+UPSTREAM_TEST = '''\
+# upstream-path: test/registered/unit/test_answer.py
+import unittest
+
+from sglang.answer import answer
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=1, suite="base-a-test-cpu")
+
+
+class TestAnswer(unittest.TestCase):
+    def test_answer(self):
+        self.assertEqual(answer(), 42)
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
+
+
+def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | None = UPSTREAM_TEST) -> Path:
+    """A root with the pin plus base 9.9: a build tree at its base tag, a one-patch series
+    (Forwarded: yes) that fixes ``sglang.answer``, and its upstream test template."""
+    import harness.upstream.prexport as prexport
+
+    root = tmp_path / "root"
+    (root / "patches" / BASE).mkdir(parents=True)
+    (root / "patches" / "pin.json").write_text(json.dumps({"version": PIN}))
+    (root / "patches" / BASE / "pin.json").write_text(json.dumps({"version": BASE}))
+    tree = root / "build" / f"sglang-{BASE}"
+    pkg = tree / "python" / "sglang"
+    (pkg / "test" / "ci").mkdir(parents=True)
+    for d in (pkg, pkg / "test", pkg / "test" / "ci"):
+        (d / "__init__.py").write_text("")
+    (pkg / "test" / "ci" / "ci_register.py").write_text("def register_cpu_ci(**kw):\n    pass\n")
+    (pkg / "answer.py").write_text(BUGGY)
+    run_git(tree.parent, "init", "-q", tree.name)
+    run_git(tree, "add", "-A")
+    run_git(tree, "commit", "-q", "-m", "v9.9")
+    run_git(tree, "tag", f"base/v{BASE}")
+    (pkg / "answer.py").write_text(FIXED)
+    run_git(tree, "commit", "-q", "-am",
+            "Fix the answer\n\nBug: off by one.\n\nFix: return 42.\n\nPatch-Id: fix-answer\nForwarded: yes")
+    name = subprocess.run(["git", "format-patch", "-1", "-o", str(root / "patches" / BASE)], cwd=tree,
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (root / "patches" / BASE / "series").write_text(Path(name).name + "\n")
+    templates = tmp_path / "templates"
+    (templates / BASE).mkdir(parents=True)
+    if template is not None:
+        (templates / BASE / "fix_answer.py").write_text(template)
+    monkeypatch.setattr(prexport, "TEMPLATES", templates)
+    return root
+
+
+def test_bundle_from_base_is_verified_on_pristine_release(tmp_path, monkeypatch):
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch)
+    [d] = export_from_base(layout(root, base=BASE))
+    meta = json.loads((d / "bundle.json").read_text())
+    assert meta["base_release"] == BASE and meta["deps"] == [] and not (d / "deps").exists()
+    assert meta["test"] == "test/registered/unit/test_answer.py"
+    assert meta["verified"]["apply_check"] == "ok"
+    assert meta["verified"]["test_without_patch"].startswith("FAILED")
+    assert meta["verified"]["test_with_patch"] == "OK"
+    [patch] = meta["patches"]
+    text = (d / patch).read_text()
+    # the fix and its test, in one commit, without our internal trailers
+    assert "python/sglang/answer.py" in text and "test/registered/unit/test_answer.py" in text
+    assert "Patch-Id:" not in text and "Forwarded:" not in text
+    desc = (d / "description.md").read_text()
+    assert "2 files changed" in desc  # the stat covers the fix, not only the test
+    assert "AssertionError: 41 != 42" in desc and "passes (exit 0" in desc
+    # and it applies to a pristine checkout of the release
+    check = tmp_path / "check"
+    run_git(tmp_path, "clone", "-q", str(root / "build" / f"sglang-{BASE}"), str(check))
+    run_git(check, "checkout", "-q", f"base/v{BASE}")
+    run_git(check, "apply", "--check", str(d / patch))
+
+
+def test_bundle_from_base_rejects_a_test_that_passes_without_the_patch(tmp_path, monkeypatch):
+    from harness import HarnessError
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch, template=UPSTREAM_TEST.replace("42)", "answer())"))
+    with pytest.raises(HarnessError, match="passes on pristine 9.9 without"):
+        export_from_base(layout(root, base=BASE))
+
+
+def test_bundle_from_base_needs_a_template(tmp_path, monkeypatch):
+    from harness import HarnessError
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch, template=None)
+    with pytest.raises(HarnessError, match=r"no upstream test template .*9.9/fix_answer.py"):
+        export_from_base(layout(root, base=BASE))
+
+
+def test_every_forwarded_patch_of_another_base_has_a_template():
+    from harness.patchset.layout import bases
+    from harness.upstream.status import load_series
+
+    root = Path(__file__).resolve().parents[2]
+    for base in bases(root):
+        missing = [p.name for p in load_series(layout(root, base=base))
+                   if p.forwarded and template_for(p.id, base) is None]
+        assert not missing, f"patches/{base}: no templates/{base}/ test for {missing}"

@@ -1,0 +1,161 @@
+# upstream-path: test/registered/unit/models/test_aux_capture_final_layer.py
+"""Capturing models capture the final layer's output when it is requested.
+
+EAGLE3/DFlash capture index i is the input of layer i, so index ``end_layer``
+(the output of the last layer, which DFlash layer ids and EAGLE3 ids that
+include the last layer request) is never reached inside the layer loop. The
+model must capture it with the final norm, before the norm updates the
+residual in place, and on an idle batch (which skips the final norm) too.
+The models that flag their capturing layers must accept that index.
+
+Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
+norm are small stand-ins on the real residual stream
+(``forward_batch.residual_stream``); each model's forward is the real one.
+"""
+
+import types
+import unittest
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.models.glm4_moe import Glm4MoeModel
+from sglang.srt.models.llama import LlamaModel
+from sglang.srt.models.qwen2_moe import Qwen2MoeModel
+from sglang.srt.models.qwen3_moe import Qwen3MoeModel
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=30, suite="base-a-test-cpu")
+
+HIDDEN = 8
+TOKENS = 5
+NUM_LAYERS = 3
+
+
+class _Layer(nn.Module):
+    """Adds a layer-specific constant to the residual stream.
+
+    Like a decoder layer's attention boundary, it completes the previous
+    layer's output (its contribution plus the residual), captures that when
+    asked (``capture_output`` or ``captured_last_layer_outputs``, depending on
+    the model), and records its own contribution for the next boundary.
+    """
+
+    def __init__(self, layer_id):
+        super().__init__()
+        self.layer_id = layer_id
+
+    def forward(
+        self,
+        positions,
+        hidden_states,
+        forward_batch,
+        capture_output=None,
+        captured_last_layer_outputs=None,
+    ):
+        hidden_states = residual_batch.fold(hidden_states, forward_batch)
+        if capture_output is not None:
+            capture_output(hidden_states)
+        if captured_last_layer_outputs is not None:
+            captured_last_layer_outputs.capture(hidden_states)
+        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
+        stream = residual_batch.stream_of(forward_batch)
+        return stream.record(contribution, PLAIN_ADD)
+
+
+class _InPlaceNorm(nn.Module):
+    """Fused add + RMSNorm: updates its inputs in place, like the GPU kernel."""
+
+    def forward(self, hidden_states, residual=None):
+        if residual is None:
+            return hidden_states.mul_(0.5)
+        residual.add_(hidden_states)
+        hidden_states.copy_(residual * 0.5)
+        return hidden_states, residual
+
+
+def _model(model_cls, layers_to_capture=()):
+    model = model_cls.__new__(model_cls)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([_Layer(i) for i in range(NUM_LAYERS)])
+    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model.layers_to_capture = list(layers_to_capture)
+    model.norm = _InPlaceNorm()
+    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    model.first_k_dense_replace = 0
+    return model
+
+
+def _run(model, embeds, idle=False):
+    forward_batch = types.SimpleNamespace(
+        can_run_tbo=False,
+        residual_stream=None,
+        forward_mode=ForwardMode.IDLE if idle else ForwardMode.EXTEND,
+    )
+    return model.forward(
+        input_ids=None,
+        positions=torch.arange(embeds.shape[0]),
+        forward_batch=forward_batch,
+        input_embeds=embeds,
+    )
+
+
+def _output_of(embeds, layer_id):
+    # Layer k adds k + 1, so its output is the embedding plus 1 + ... + (k + 1).
+    return embeds + float(sum(range(1, layer_id + 2)))
+
+
+class TestModelsCaptureFinalLayer(CustomTestCase):
+    def _check_captures(self, model, layers_to_capture):
+        embeds = torch.randn(TOKENS, HIDDEN)
+        hidden, aux = _run(model, embeds.clone())
+        self.assertEqual(
+            len(aux), len(layers_to_capture), "expected one capture per layer"
+        )
+        # capture index i is the output of layer i - 1
+        for capture, layer_id in zip(aux, layers_to_capture):
+            torch.testing.assert_close(capture, _output_of(embeds, layer_id - 1))
+        # the norm halves the residual it updates in place; the final capture
+        # keeps the norm's input
+        torch.testing.assert_close(hidden, aux[-1] * 0.5)
+
+    def test_llama(self):
+        layers_to_capture = [1, 2, NUM_LAYERS]
+        self._check_captures(_model(LlamaModel, layers_to_capture), layers_to_capture)
+
+    def test_glm4_moe(self):
+        layers_to_capture = [1, NUM_LAYERS]
+        self._check_captures(_model(Glm4MoeModel, layers_to_capture), layers_to_capture)
+
+    def test_glm4_moe_idle_batch(self):
+        model = _model(Glm4MoeModel, [1, NUM_LAYERS])
+        _, aux = _run(model, torch.empty(0, HIDDEN), idle=True)
+        self.assertEqual(len(aux), 2, "expected one capture per layer")
+
+    def test_qwen2_moe_eagle3_layers(self):
+        layers_to_capture = [1, NUM_LAYERS]
+        model = _model(Qwen2MoeModel)
+        model.set_eagle3_layers_to_capture(layers_to_capture)
+        self._check_captures(model, layers_to_capture)
+
+    def test_qwen3_moe_dflash_layers(self):
+        layers_to_capture = [1, 2, NUM_LAYERS]
+        model = _model(Qwen3MoeModel)
+        model.set_dflash_layers_to_capture(layers_to_capture)
+        self._check_captures(model, layers_to_capture)
+
+    def test_no_final_capture_when_not_requested(self):
+        layers_to_capture = [1, 2]
+        for model_cls in (LlamaModel, Glm4MoeModel):
+            with self.subTest(model=model_cls.__name__):
+                model = _model(model_cls, layers_to_capture)
+                _, aux = _run(model, torch.randn(TOKENS, HIDDEN))
+                self.assertEqual(len(aux), 2)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,176 @@
+# upstream-path: test/registered/unit/models/test_aux_capture_skips_tbo.py
+"""A capturing model runs its layers outside two-batch overlap.
+
+With two-batch overlap (TBO), deepseek_v2, glm4_moe, glm4_moe_lite, qwen2_moe,
+qwen3_moe and minimax_m2 run their (sparse) layers through
+``model_forward_stages``, whose stages take no EAGLE3/DFlash captures: the
+captures of those layers were dropped without an error. A model that captures
+must run every layer in the plain loop when the batch could run TBO; a model
+that does not capture still overlaps.
+
+Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
+norm are small stand-ins on the real residual stream
+(``forward_batch.residual_stream``), and ``model_forward_stages`` is replaced
+by a mock that runs the layers in order without captures, as its stages do.
+Each model's forward is the real one.
+"""
+
+import types
+import unittest
+from unittest import mock
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.models import deepseek_v2, qwen2_moe
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=30, suite="base-a-test-cpu")
+
+HIDDEN = 8
+TOKENS = 5
+NUM_LAYERS = 3
+
+
+class _Layer(nn.Module):
+    """Adds a layer-specific constant to the residual stream.
+
+    Like a decoder layer's attention boundary, it completes the previous
+    layer's output (its contribution plus the residual), captures that when
+    asked, and records its own contribution for the next boundary.
+    """
+
+    def __init__(self, layer_id, returns_topk):
+        super().__init__()
+        self.layer_id = layer_id
+        self.returns_topk = returns_topk
+
+    def forward(
+        self,
+        positions,
+        hidden_states,
+        forward_batch,
+        *args,
+        captured_last_layer_outputs=None,
+        **kwargs,
+    ):
+        hidden_states = residual_batch.fold(hidden_states, forward_batch)
+        if captured_last_layer_outputs is not None:
+            captured_last_layer_outputs.capture(hidden_states)
+        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
+        stream = residual_batch.stream_of(forward_batch)
+        hidden_states = stream.record(contribution, PLAIN_ADD)
+        return (hidden_states, None) if self.returns_topk else hidden_states
+
+
+class _Norm(nn.Module):
+    def forward(self, hidden_states, residual=None):
+        if residual is None:
+            return hidden_states * 0.5
+        residual = hidden_states + residual
+        return residual * 0.5, residual
+
+
+def _model_forward_stages(
+    layers, enable_tbo, positions, forward_batch, hidden_states, **kwargs
+):
+    """Runs the layers in order and, like the overlapped stages, captures nothing."""
+    for layer in layers:
+        hidden_states = layer(positions, hidden_states, forward_batch)
+        if isinstance(hidden_states, tuple):
+            hidden_states = hidden_states[0]
+    return hidden_states
+
+
+def _qwen2_moe(layers_to_capture):
+    model = qwen2_moe.Qwen2MoeModel.__new__(qwen2_moe.Qwen2MoeModel)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([_Layer(i, False) for i in range(NUM_LAYERS)])
+    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model.norm = _Norm()
+    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    model.set_eagle3_layers_to_capture(list(layers_to_capture))
+    return model
+
+
+def _deepseek_v2(layers_to_capture):
+    model = deepseek_v2.DeepseekV2Model.__new__(deepseek_v2.DeepseekV2Model)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([_Layer(i, True) for i in range(NUM_LAYERS)])
+    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model.layers_to_capture = list(layers_to_capture)
+    model.norm = _Norm()
+    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    model.use_dsa = False
+    # the dense layer runs in the plain loop, the sparse ones overlap
+    model.first_k_dense_replace = 1
+    model.llama_4_scaling_config = None
+    model.next_full_attention_layer_id = {}
+    return model
+
+
+def _run(model, embeds):
+    forward_batch = types.SimpleNamespace(
+        can_run_tbo=True,
+        residual_stream=None,
+        forward_mode=ForwardMode.EXTEND,
+    )
+    module = qwen2_moe if isinstance(model, qwen2_moe.Qwen2MoeModel) else deepseek_v2
+    with mock.patch.object(
+        module, "model_forward_stages", side_effect=_model_forward_stages
+    ) as stages:
+        out = model.forward(
+            input_ids=None,
+            positions=torch.arange(embeds.shape[0]),
+            forward_batch=forward_batch,
+            input_embeds=embeds,
+        )
+    return out, stages
+
+
+def _output_of(embeds, layer_id):
+    # Layer k adds k + 1, so its output is the embedding plus 1 + ... + (k + 1).
+    return embeds + float(sum(range(1, layer_id + 2)))
+
+
+class TestModelsCaptureSkipsTbo(CustomTestCase):
+    def _check(self, build, layers_to_capture):
+        embeds = torch.randn(TOKENS, HIDDEN)
+        out, stages = _run(build(layers_to_capture), embeds.clone())
+        stages.assert_not_called()
+        self.assertIsInstance(out, tuple, "the captures were dropped")
+        hidden, aux = out
+        if isinstance(aux, torch.Tensor):
+            aux = aux.split(HIDDEN, dim=-1)
+        self.assertEqual(len(aux), len(layers_to_capture))
+        # capture index i is the output of layer i - 1
+        for capture, layer_id in zip(aux, layers_to_capture):
+            torch.testing.assert_close(capture, _output_of(embeds, layer_id - 1))
+        torch.testing.assert_close(hidden, _output_of(embeds, NUM_LAYERS - 1) * 0.5)
+
+    def _check_overlaps(self, build):
+        embeds = torch.randn(TOKENS, HIDDEN)
+        hidden, stages = _run(build([]), embeds.clone())
+        stages.assert_called_once()
+        self.assertTrue(stages.call_args.kwargs["enable_tbo"])
+        torch.testing.assert_close(hidden, _output_of(embeds, NUM_LAYERS - 1) * 0.5)
+
+    def test_capturing_qwen2_moe_runs_outside_tbo(self):
+        self._check(_qwen2_moe, [1, 2])
+
+    def test_capturing_deepseek_v2_runs_outside_tbo(self):
+        self._check(_deepseek_v2, [1, 2])
+
+    def test_non_capturing_qwen2_moe_overlaps(self):
+        self._check_overlaps(_qwen2_moe)
+
+    def test_non_capturing_deepseek_v2_overlaps(self):
+        self._check_overlaps(_deepseek_v2)
+
+
+if __name__ == "__main__":
+    unittest.main()
