@@ -64,6 +64,9 @@ def test_ci_jobs() -> None:
     gpu_runs = " ".join(s.get("run", "") for s in jobs["gpu"]["steps"])
     assert "ci/build-gpu-image.sh" in gpu_runs and "ci/run-gpu-tests.sh" in gpu_runs
     assert any("ci/check-patch-drift.sh" in s.get("run", "") for s in jobs["patch-check"]["steps"])
+    newest = " ".join(s.get("run", "") for s in jobs["cpu-newest-base"]["steps"])
+    for cmd in ("make check-patches BASE=0.5.23", "make test BASE=0.5.23", "make pr-export BASE=0.5.23"):
+        assert cmd in newest
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -98,8 +101,9 @@ def test_run_gpu_tests_without_gpu_says_so(tmp_path: Path) -> None:
 
 
 def test_ci_run_gates_the_series_lint_before_the_tests() -> None:
-    steps = re.findall(r"^make ([a-z-]+)", (ROOT / ".ci" / "run").read_text(), re.M)
-    assert steps == ["apply-patches", "check-patches", "test", "docker-test"]
+    steps = re.findall(r"^make ([a-z-]+.*)$", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert steps == ["apply-patches", "check-patches", "test", "check-patches BASE=0.5.23",
+                     "test BASE=0.5.23", "docker-test"]
 
 
 @pytest.mark.parametrize("target", ["test", "ablation", "bench", "wheel"])
