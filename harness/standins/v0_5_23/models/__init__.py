@@ -75,8 +75,8 @@ GRAPH_BREAKS = (
 # The models that do trace fullgraph on 0.5.23 (they do not use the boundaries).
 TRACES_FULLGRAPH = frozenset({"gemma3"})
 
-__all__ = ["FIXED_BY", "GRAPH_BREAKS", "TRACES_FULLGRAPH", "layer_output", "running", "run_plain", "run_scattered", "current_batch",
-           "standin_class", "standins", "mla_standin"]
+__all__ = ["FIXED_BY", "GRAPH_BREAKS", "TRACES_FULLGRAPH", "layer_output", "running", "run_plain",
+           "run_scattered", "current_batch", "standin_class", "standins", "mla_standin"]
 
 _CURRENT: list = []
 

@@ -10,26 +10,10 @@ and seven MoE layers; every FFN leaves its sum to the next layer's prepare.
 
 from __future__ import annotations
 
-from harness.standins.models import ModelSpec, hf_config
+from harness.standins.models import ModelSpec
 from harness.standins.v0_5_23.models import layer_output, run_plain, standins
-
-
-def _config(tc):
-    return hf_config(
-        tc,
-        architectures=["BailingMoeV2ForCausalLM"],
-        embedding_dropout=0.0,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_shared_experts=1,
-        moe_intermediate_size=tc.intermediate_size,
-        norm_topk_prob=True,
-        first_k_dense_replace=1,  # layer 0 dense, layers 1..7 MoE
-        use_bias=False,
-        use_qkv_bias=False,
-        use_qk_norm=False,
-        partial_rotary_factor=0.5,
-    )
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.bailing_moe import _config
 
 
 SPECS = [

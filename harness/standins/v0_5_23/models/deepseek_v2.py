@@ -17,16 +17,11 @@ from harness.standins.v0_5_23.models import (
     run_scattered,
     standin_class,
 )
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.deepseek_v2 import _config
 
 # Two dense-by-position layers first: two-batch overlap runs layers [2, 8).
 _TINY = dataclasses.replace(TinyConfig(), first_k_dense_replace=2)
-
-
-def _config(tc):
-    from harness.standins.deepseek_v2 import make_config
-
-    # n_routed_experts=None: every layer is dense DeepseekV2MLP; no index_topk: not DSA.
-    return make_config(tc)
 
 
 def _build_patches(mod):

@@ -22,33 +22,13 @@ from __future__ import annotations
 import functools
 
 from harness.standins.blocks import REDUCE_SELF
-from harness.standins.models import ModelSpec, hf_config
+from harness.standins.models import ModelSpec
 from harness.standins.v0_5_23.models import layer_output, run_plain, standins
-
-
-def _layer_types(n: int) -> list:
-    # Gemma's 5 sliding : 1 full pattern, squeezed: every 4th layer is full attention.
-    return ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.gemma import _gemma3_config, _gemma4_config, _gemma4_construct
 
 
 # ---------------------------------------------------------------- gemma3
-
-
-def _gemma3_config(tc):
-    from transformers import Gemma3TextConfig
-
-    return hf_config(
-        tc,
-        Gemma3TextConfig,
-        hidden_activation="gelu_pytorch_tanh",
-        rope_parameters={
-            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-        layer_types=_layer_types(tc.num_layers),
-        query_pre_attn_scalar=tc.hidden_size // 4,
-        sliding_window=128,
-    )
 
 
 def _gemma3_cpu_norm(norm, x, residual=None):
@@ -107,47 +87,6 @@ _GEMMA4_ROPE = {
                        "partial_rotary_factor": 0.25},
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
 }
-
-
-def _gemma4_config(tc):
-    from transformers import Gemma4TextConfig
-
-    config = hf_config(
-        tc,
-        Gemma4TextConfig,
-        hidden_activation="gelu_pytorch_tanh",
-        rope_parameters=_GEMMA4_ROPE,
-        rope_scaling=_GEMMA4_ROPE,
-        layer_types=_layer_types(tc.num_layers),
-        sliding_window=128,
-        global_head_dim=tc.hidden_size // 4,
-        # Per-layer embeddings and the parallel MoE block both on.
-        hidden_size_per_layer_input=_PLE,
-        vocab_size_per_layer_input=tc.vocab_size,
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=tc.intermediate_size,
-    )
-    config.auxcap_seed = tc.seed  # for _gemma4_construct
-    return config
-
-
-def _gemma4_construct(cls, config):
-    """The real constructor, then small-integer per-layer embeddings (the build's
-    integer fill skips every parameter named ``embed``)."""
-    import torch
-
-    from harness.standins.blocks import _full_weight
-
-    model = cls(config, quant_config=None)
-    emb = model.embed_tokens_per_layer
-    if emb is not None:
-        with torch.no_grad():
-            seed = getattr(config, "auxcap_seed", 1234)
-            full = _full_weight(seed, 998, tuple(emb.weight.shape))
-            emb.weight.copy_(full.to(emb.weight.dtype))
-    return model
 
 
 SPECS = [

@@ -13,7 +13,7 @@ layers, so both the dense MLP and the MoE block run.
 from __future__ import annotations
 
 from harness.standins.blocks import TinyConfig
-from harness.standins.models import ModelSpec, hf_config
+from harness.standins.models import ModelSpec
 from harness.standins.v0_5_23.models import (
     layer_output,
     mla_standin,
@@ -22,63 +22,12 @@ from harness.standins.v0_5_23.models import (
     standin_class,
     standins,
 )
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.glm import _glm4_config, _glm4_moe_config, _glm4_moe_lite_config
 
 # One dense layer (layer 0), the rest MoE: both FFN paths run.
 _FIRST_K_DENSE = 1
 _TINY = TinyConfig()
-
-
-def _glm4_config(tc):
-    from transformers import Glm4Config
-
-    return hf_config(tc, Glm4Config, partial_rotary_factor=0.5, attention_bias=True)
-
-
-def _glm4_moe_config(tc):
-    from transformers import Glm4MoeConfig
-
-    return hf_config(
-        tc,
-        Glm4MoeConfig,
-        partial_rotary_factor=0.5,
-        moe_intermediate_size=tc.intermediate_size,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        norm_topk_prob=True,
-        first_k_dense_replace=_FIRST_K_DENSE,
-        use_qk_norm=False,
-    )
-
-
-def _glm4_moe_lite_config(tc):
-    from transformers import Glm4MoeLiteConfig
-
-    return hf_config(
-        tc,
-        Glm4MoeLiteConfig,
-        architectures=["Glm4MoeLiteForCausalLM"],
-        q_lora_rank=None,
-        kv_lora_rank=8,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        moe_intermediate_size=tc.intermediate_size,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        norm_topk_prob=True,
-        first_k_dense_replace=_FIRST_K_DENSE,
-        # Glm4MoeLiteForCausalLM.__init__ forces this (glm4_moe_lite.py 693); the model
-        # class alone does not, and _is_layer_sparse reads it.
-        moe_layer_freq=1,
-    )
 
 
 def _lite_patches(mod):

@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-from harness.standins.models import ModelSpec, hf_config
+from harness.standins.models import ModelSpec
 from harness.standins.v0_5_23.models import layer_output, run_plain, standins
-
-
-def _config(tc):
-    from sglang.srt.models.gpt_oss import GptOssConfig
-
-    return hf_config(
-        tc,
-        GptOssConfig,
-        layer_types=["sliding_attention", "full_attention"] * (tc.num_layers // 2),
-        sliding_window=128,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        swiglu_limit=7.0,
-        dtype="float32",
-    )
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.gpt_oss import _config
 
 
 SPECS = [

@@ -2,33 +2,10 @@
 
 from __future__ import annotations
 
-from harness.standins.models import ModelSpec, hf_config
+from harness.standins.models import ModelSpec
 from harness.standins.v0_5_23.models import layer_output, run_plain, standins
-
-
-def _llama_config(tc):
-    from transformers import LlamaConfig
-
-    return hf_config(tc, LlamaConfig)
-
-
-def _llama4_config(tc):
-    from transformers import Llama4TextConfig
-
-    return hf_config(
-        tc,
-        Llama4TextConfig,
-        intermediate_size_mlp=tc.intermediate_size,
-        num_local_experts=4,
-        num_experts_per_tok=1,
-        # Every 2nd layer (layer_id 1, 3, ...) is MoE, the others dense LlamaMLP
-        # (Llama4DecoderLayer._is_moe_layer).
-        interleave_moe_layer_step=2,
-        use_qk_norm=True,
-        attn_temperature_tuning=True,
-        floor_scale=8192,
-        attn_scale=0.1,
-    )
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.llama import _llama4_config, _llama_config
 
 
 SPECS = [

@@ -9,22 +9,10 @@ Every layer is MoE and leaves its sum to the next layer's ``attn_boundary.prepar
 
 from __future__ import annotations
 
-from harness.standins.models import ModelSpec, hf_config
+from harness.standins.models import ModelSpec
 from harness.standins.v0_5_23.models import layer_output, run_plain, standins
-
-
-def _config(tc):
-    return hf_config(
-        tc,
-        architectures=["MiniMaxM2ForCausalLM"],
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        scoring_func="sigmoid",
-        use_routing_bias=False,
-        rotary_dim=tc.hidden_size // 8,
-        use_qk_norm=False,
-        qk_norm_type="per_layer",
-    )
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.minimax_m2 import _config
 
 
 SPECS = [

@@ -11,7 +11,7 @@ transforms, unfused norm reads) defers its sum to the next layer's
 
 from __future__ import annotations
 
-from harness.standins.models import ModelSpec, hf_config
+from harness.standins.models import ModelSpec
 from harness.standins.v0_5_23.models import (
     layer_output,
     mla_standin,
@@ -20,68 +20,17 @@ from harness.standins.v0_5_23.models import (
     standin_class,
     standins,
 )
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.misc import (
+    _apertus_config,
+    _arcee_config,
+    _exaone_moe_config,
+    _granite_backend,
+    _granite_config,
+    _longcat_config,
+)
 
 # ---------------------------------------------------------------- configs (as the pin's)
-
-
-def _apertus_config(tc):
-    from transformers import ApertusConfig
-
-    # ApertusMLP accepts only hidden_act "xielu" (the MLP stands in; kept realistic).
-    return hf_config(tc, ApertusConfig, hidden_act="xielu")
-
-
-def _arcee_config(tc):
-    from transformers import ArceeConfig
-
-    # ArceeMLP accepts only hidden_act "relu2".
-    return hf_config(tc, ArceeConfig, hidden_act="relu2")
-
-
-def _exaone_moe_config(tc):
-    n = tc.num_layers
-    return hf_config(
-        tc,
-        # Per-layer lists: layer 0 dense (ExaoneMoEMLP), the rest sparse
-        # (ExaoneMoESparseMoEBlock); three sliding-window layers per full one.
-        is_moe_layer=[i >= 1 for i in range(n)],
-        layer_types=["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
-        sliding_window=128,
-        num_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        num_shared_experts=1,
-        moe_intermediate_size=tc.intermediate_size,
-        norm_topk_prob=True,
-    )
-
-
-def _longcat_config(tc):
-    from sglang.srt.configs import LongcatFlashConfig
-
-    config = hf_config(
-        tc,
-        LongcatFlashConfig,
-        num_hidden_layers=tc.num_layers,
-        kv_lora_rank=8,
-        q_lora_rank=8,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=4,
-        n_routed_experts=4,
-        moe_topk=2,
-        expert_ffn_hidden_size=tc.intermediate_size,
-        routed_scaling_factor=1.0,
-        zero_expert_num=2,
-        zero_expert_type="identity",
-        torch_dtype="float32",
-        params_dtype="float32",
-    )
-    # The decoder layer reads config.rope_parameters["rope_theta"].
-    config.rope_parameters = {"rope_theta": 10000.0, "rope_type": "default"}
-    return config
 
 
 def _longcat_patches(mod):
@@ -104,64 +53,7 @@ def _longcat_patches(mod):
 _GRANITE_LAYER_TYPES = ("attention", "mamba")
 
 
-def _granite_config(tc):
-    from sglang.srt.configs.granitemoehybrid import GraniteMoeHybridConfig
-
-    n = tc.num_layers
-    return hf_config(
-        tc,
-        GraniteMoeHybridConfig,
-        # Both layer kinds: the mamba mixer stands in (see _granite_run); the real
-        # GraniteMoeHybridMambaDecoderLayer.forward runs.
-        layer_types=[_GRANITE_LAYER_TYPES[i % 3 == 1] for i in range(n)],
-        position_embedding_type="rope",
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_n_heads=4,
-        mamba_d_head=tc.hidden_size * 2 // 4,
-        mamba_n_groups=1,
-        # Exact binary fractions keep every value exact at every TP size.
-        embedding_multiplier=2.0,
-        residual_multiplier=0.5,
-        attention_multiplier=0.25,
-        logits_scaling=1.0,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        shared_intermediate_size=tc.intermediate_size,
-    )
-
-
 _FAKE_BACKEND = None
-
-
-def _granite_backend():
-    """A real ``HybridLinearAttnBackend`` / ``Mamba2AttnBackend`` pair (made without
-    their constructors) whose linear-attention ``forward`` runs the stood-in mixer and
-    writes ``output`` as ``Mamba2AttnBackend.forward`` does; it passes the mamba layer's
-    isinstance asserts (granitemoehybrid.py 147-149)."""
-    global _FAKE_BACKEND
-    if _FAKE_BACKEND is None:
-        from sglang.srt.layers.attention.hybrid_linear_attn_backend import (
-            HybridLinearAttnBackend,
-            Mamba2AttnBackend,
-        )
-
-        linear = Mamba2AttnBackend.__new__(Mamba2AttnBackend)
-
-        def forward(mixer, hidden_states, output, layer_id, forward_batch,
-                    mup_vector=None, use_triton_causal_conv=False):
-            mixer_out = mixer(hidden_states=hidden_states, output=output,
-                              forward_batch=forward_batch)
-            if output is not None:
-                output[: mixer_out.shape[0]].copy_(mixer_out)
-            return mixer_out
-
-        linear.forward = forward
-        hybrid = HybridLinearAttnBackend.__new__(HybridLinearAttnBackend)
-        hybrid.linear_attn_backend = linear
-        _FAKE_BACKEND = hybrid
-    return _FAKE_BACKEND
 
 
 def _granite_run(model, input_ids, positions, forward_batch):

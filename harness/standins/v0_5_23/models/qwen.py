@@ -21,8 +21,19 @@ the fusion modes apply to all of them.
 
 from __future__ import annotations
 
-from harness.standins.models import ModelSpec, hf_config
+from harness.standins.models import ModelSpec
 from harness.standins.v0_5_23.models import layer_output, run_plain, standins
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.qwen import (
+    _configure_flags,
+    _keyword_construct,
+    _qwen2_config,
+    _qwen2_moe_config,
+    _qwen3_config,
+    _qwen3_moe_config,
+    _qwen3_vl_config,
+    _qwen3_vl_moe_config,
+)
 
 # qwen3.py: Qwen3Attention (o_proj reduce_results=False, qwen3.py 212) and Qwen3MLP =
 # qwen2.Qwen2MLP built with reduce_results=False (409). The layer reads
@@ -31,83 +42,6 @@ _QWEN3 = {"Qwen3Attention": {}, "Qwen3MLP": {"gate_up_proj": None}}
 # qwen3_moe.py: Qwen3MoeAttention (o_proj reduce_results=False, 542),
 # Qwen3MoeSparseMoeBlock (its sum left to ffn_boundary.finish, SumGroup.MOE_OUTPUT).
 _QWEN3_MOE = {"Qwen3MoeAttention": {}, "Qwen3MoeSparseMoeBlock": {}}
-
-
-def _keyword_construct(cls, config):
-    # Qwen3LLMModel / Qwen3MoeLLMModel take keyword-only arguments.
-    return cls(config=config, quant_config=None)
-
-
-def _configure_flags(model, indices):
-    """The flag-based models: clear every layer's ``_is_layer_to_capture`` (the setters
-    never clear stale flags), then call the model's own setter with the already-mapped
-    ids, as ``Qwen2MoeForCausalLM.set_eagle3_layers_to_capture`` /
-    ``Qwen3MoeForCausalLM.set_*_layers_to_capture`` do. At 0.5.23 the setter's
-    ``setattr(self.layers[layer_id], ...)`` raises IndexError for ``end_layer``."""
-    for layer in model.layers:
-        if "_is_layer_to_capture" in layer.__dict__:
-            del layer.__dict__["_is_layer_to_capture"]
-    model.layers_to_capture = []
-    model.set_eagle3_layers_to_capture(list(indices))
-
-
-# ---------------------------------------------------------------- configs
-
-
-def _qwen2_config(tc):
-    from transformers import Qwen2Config
-
-    return hf_config(tc, Qwen2Config)
-
-
-def _qwen3_config(tc):
-    from transformers import Qwen3Config
-
-    return hf_config(tc, Qwen3Config)
-
-
-def _moe_fields(tc):
-    return dict(
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        moe_intermediate_size=tc.intermediate_size,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-
-
-def _qwen2_moe_config(tc):
-    from transformers import Qwen2MoeConfig
-
-    return hf_config(
-        tc,
-        Qwen2MoeConfig,
-        shared_expert_intermediate_size=tc.intermediate_size,
-        qkv_bias=True,
-        **_moe_fields(tc),
-    )
-
-
-def _qwen3_moe_config(tc):
-    from transformers import Qwen3MoeConfig
-
-    return hf_config(tc, Qwen3MoeConfig, **_moe_fields(tc))
-
-
-def _qwen3_vl_config(tc):
-    # Qwen3LLMModel.__init__ reads config.vision_config.deepstack_visual_indexes.
-    from sglang.srt.configs.qwen3_vl import Qwen3VLTextConfig, Qwen3VLVisionConfig
-
-    config = hf_config(tc, Qwen3VLTextConfig)
-    config.vision_config = Qwen3VLVisionConfig(deepstack_visual_indexes=[1, 2, 3])
-    return config
-
-
-def _qwen3_vl_moe_config(tc):
-    from sglang.srt.configs.qwen3_vl import Qwen3VLMoeTextConfig
-
-    return hf_config(tc, Qwen3VLMoeTextConfig, **_moe_fields(tc))
 
 
 def _spec(**kw):

@@ -31,39 +31,24 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from harness.standins.models import ModelSpec, hf_config
+from harness.standins.models import ModelSpec
 from harness.standins.v0_5_23.models import layer_output, run_plain, standin_class
+# The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models.qwen_hybrid import (
+    _inline_attention_signature,
+    _next_config,
+    _no_rope,
+    _qwen3_5_config,
+)
 
 _QWEN3_NEXT = "sglang.srt.models.qwen3_next"
 _QWEN3_5 = "sglang.srt.models.qwen3_5"
-
-
-def _inline_attention_signature():
-    import torch
-
-    class InlineSelfAttention(torch.nn.Module):
-        """The signature of ``Qwen3HybridAttentionDecoderLayer.self_attention`` /
-        ``Qwen3_5AttentionDecoderLayer.self_attention`` (the stand-in binds it)."""
-
-        def __init__(self, prefix: str = "") -> None:  # pragma: no cover - signature only
-            super().__init__()
-
-        def forward(self, positions, hidden_states, forward_batch):  # pragma: no cover
-            raise NotImplementedError
-
-    return InlineSelfAttention
 
 
 def _moe_standin(orig_cls, tc):
     """A stand-in for ``Qwen2MoeSparseMoeBlock`` that is also an instance of it."""
     base = standin_class(orig_cls, tc, {})
     return type(base.__name__, (base, orig_cls), {"__qualname__": base.__qualname__})
-
-
-def _no_rope(*args, **kwargs):
-    import torch
-
-    return torch.nn.Identity()
 
 
 def _no_quant():
@@ -116,46 +101,6 @@ def _configure(setter: str):
             getattr(model, setter)(list(indices))
 
     return configure
-
-
-# ---------------------------------------------------------------- configs
-
-
-def _hybrid_fields(tc, interval):
-    return dict(
-        full_attention_interval=interval,
-        partial_rotary_factor=0.25,
-        attn_output_gate=True,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=4,
-        linear_value_head_dim=4,
-        linear_num_key_heads=4,
-        linear_num_value_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        moe_intermediate_size=tc.intermediate_size,
-        shared_expert_intermediate_size=tc.intermediate_size,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-
-
-def _next_config(tc, interval=4):
-    from sglang.srt.configs.qwen3_next import Qwen3NextConfig
-
-    config = hf_config(tc, Qwen3NextConfig, **_hybrid_fields(tc, interval))
-    config.auxcap_tiny = tc
-    return config
-
-
-def _qwen3_5_config(tc, moe=False, interval=4):
-    from sglang.srt.configs.qwen3_5 import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
-
-    cls = Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig
-    config = hf_config(tc, cls, **_hybrid_fields(tc, interval))
-    config.auxcap_tiny = tc
-    return config
 
 
 # ---------------------------------------------------------------- specs
