@@ -103,7 +103,7 @@ def test_run_gpu_tests_without_gpu_says_so(tmp_path: Path) -> None:
 def test_ci_run_gates_the_series_lint_before_the_tests() -> None:
     steps = re.findall(r"^make ([a-z-]+.*)$", (ROOT / ".ci" / "run").read_text(), re.M)
     assert steps == ["apply-patches", "check-patches", "test", "check-patches BASE=0.5.23",
-                     "test BASE=0.5.23", "docker-test"]
+                     "test BASE=0.5.23", "pr-export", "docker-test"]
 
 
 @pytest.mark.parametrize("target", ["test", "ablation", "bench", "wheel"])
