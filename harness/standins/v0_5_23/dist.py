@@ -29,7 +29,9 @@ import sys
 import tempfile
 from typing import Any
 
-from harness.ranks.sglang import DistConfig, _log_import, release_shared_memory
+# The CPU kernels for SGLang's CUDA-only collective ops are the same dispatch on both
+# bases (GroupCoordinator's own torch.distributed calls): the pin's.
+from harness.ranks.sglang import DistConfig, _log_import, _register_cpu_collectives, release_shared_memory
 
 __all__ = ["init_sglang_distributed", "is_initialized", "current_config"]
 
@@ -65,41 +67,6 @@ def _disable_fast_paths(use_pynccl: bool) -> None:
 
     ps.init_model_parallel_group = init_model_parallel_group
     ps._auxcap_no_pynccl = True
-
-
-# SGLang registers these torch custom ops (utils/custom_op.py register_custom_op ->
-# direct_register_custom_op) for the CUDA dispatch key only; each is a thin dispatcher
-# to the GroupCoordinator's own torch.distributed call. GroupCoordinator routes
-# all_gather_into_tensor / reduce_scatter_tensor / all_to_all through them unless
-# SGLANG_USE_CPU_ENGINE is set (parallel_state.py 1134-1151, 1364-1372).
-_CPU_COLLECTIVES = {
-    "reg_all_gather_into_tensor": "_all_gather_into_tensor",
-    "reg_reduce_scatter_tensor": "_reduce_scatter_tensor",
-    "reg_all_to_all_single": "_all_to_all_single",
-}
-_CPU_LIB = None
-
-
-def _register_cpu_collectives() -> None:
-    global _CPU_LIB
-    if _CPU_LIB is not None:
-        return
-    import torch
-    from sglang.srt.distributed import parallel_state as ps
-
-    lib = torch.library.Library("sglang", "IMPL")
-    for op_name, method in _CPU_COLLECTIVES.items():
-        if getattr(ps, op_name, None) is None or not hasattr(torch.ops.sglang, op_name):
-            continue
-
-        def kernel(output, input, group_name, _method=method):
-            group = ps._groups[group_name]()
-            if group is None:
-                raise ValueError(f"Group {group_name} is destroyed.")
-            getattr(group, _method)(output, input)
-
-        lib.impl(op_name, kernel, "CPU")
-    _CPU_LIB = lib
 
 
 def _publish_build_topology(rank: int, fields: dict) -> None:
