@@ -143,3 +143,13 @@ def test_refuses_same_version_and_unexported_work_on_the_new_base(fixture_root):
     shutil.rmtree(new.patches)
     with pytest.raises(HarnessError, match="uncommitted"):
         rebase(lay, "0.5.14")
+
+
+@pytest.mark.parametrize("extra, partial", [
+    ([], False), (["-x", "-q"], False), (["-k", "llama"], True), (["-kllama"], True),
+    (["-m", "slow"], True), (["--deselect=tests/x.py::t"], True), (["--lf"], True),
+])
+def test_only_a_whole_suite_run_writes_the_junit_promote_trusts(extra, partial):
+    from harness.suites.test import selects
+
+    assert selects(extra) is partial
