@@ -144,6 +144,37 @@ def _register_cpu_collectives() -> None:
     _CPU_LIB = lib
 
 
+def _place_process(rank: int, world_size: int, backend: str | None, local_rank: int | None,
+                   init_method: str | None) -> tuple[str, int, str, str]:
+    """What every base does before it brings SGLang's groups up in this process: dynamo
+    off for SGLang's small compiled helpers, the backend and device, the rendezvous.
+    Returns ``(backend, local_rank, device, init_method)``."""
+    import torch
+
+    if os.environ.get("HARNESS_TORCH_COMPILE") != "1":
+        # SGLang wraps a few small helpers in torch.compile (e.g. the vocab-parallel
+        # embedding's input masking, which runs only at TP > 1); inductor then builds
+        # C++ for them in every rank, ~20 s each on 2 cores. They are not what the
+        # suites test, so they run eagerly. The fullgraph checks turn dynamo back on
+        # for their own compile; HARNESS_TORCH_COMPILE=1 keeps it on everywhere.
+        torch._dynamo.config.disable = True
+
+    on_cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if on_cuda else "gloo")
+    if backend == "nccl" and not on_cuda:
+        raise RuntimeError("backend nccl requested but CUDA is not available")
+    local_rank = rank if local_rank is None else local_rank
+    device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if init_method is None:
+        if world_size != 1:
+            raise ValueError("init_method is required for world_size > 1")
+        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="sglang-dist-"), "rendezvous")
+    os.environ.pop("LOCAL_SIZE", None)  # keeps the CPU all-reduce on torch.distributed (gloo)
+    return backend, local_rank, device, init_method
+
+
 def init_sglang_distributed(
     rank: int = 0,
     world_size: int = 1,
@@ -189,27 +220,8 @@ def init_sglang_distributed(
                 setattr(sa, k, v)
         return _STATE
 
-    if os.environ.get("HARNESS_TORCH_COMPILE") != "1":
-        # SGLang wraps a few small helpers in torch.compile (e.g. the vocab-parallel
-        # embedding's input masking, which runs only at TP > 1); inductor then builds
-        # C++ for them in every rank, ~20 s each on 2 cores. They are not what the
-        # suites test, so they run eagerly. The fullgraph checks turn dynamo back on
-        # for their own compile; HARNESS_TORCH_COMPILE=1 keeps it on everywhere.
-        torch._dynamo.config.disable = True
-
-    on_cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if on_cuda else "gloo")
-    if backend == "nccl" and not on_cuda:
-        raise RuntimeError("backend nccl requested but CUDA is not available")
-    local_rank = rank if local_rank is None else local_rank
-    device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    if init_method is None:
-        if world_size != 1:
-            raise ValueError("init_method is required for world_size > 1")
-        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="sglang-dist-"), "rendezvous")
-    os.environ.pop("LOCAL_SIZE", None)  # keeps the CPU all-reduce on torch.distributed (gloo)
+    backend, local_rank, device, init_method = _place_process(
+        rank, world_size, backend, local_rank, init_method)
 
     import time
 

@@ -124,24 +124,34 @@ def cpu_flashinfer_allreduce_residual_rmsnorm(
     use_attn_tp_group: bool = True,
 ):
     """CPU reference of FlashInfer's kARResidualRMSNorm: fresh outputs, inputs untouched."""
-    torch = _torch()
     group = _reduce_group(use_attn_tp_group)
     if group.world_size <= 1:
         return None, None
     if not (input_tensor.is_contiguous() and residual.is_contiguous()):
         return None, None
     assert input_tensor.shape[0] <= max_token_num
-    reduced = group.all_reduce(input_tensor.clone())
-    residual_out = torch.empty_like(residual)
-    torch.add(reduced, residual, out=residual_out)
-    norm_out = torch.empty_like(input_tensor)
-    norm_out.copy_(_rms(residual_out, weight, eps))
-    return norm_out, residual_out
+    return allreduce_add_rmsnorm_fresh(group, input_tensor, residual, weight, eps)
 
 
 def cpu_aiter_fused_allreduce_rmsnorm(x, residual, weight, eps):
     """CPU reference of an in-place fused all-reduce + add + RMSNorm (aiter-like)."""
-    group = _reduce_group(True)
+    return allreduce_add_rmsnorm_inplace(_reduce_group(True), x, residual, weight, eps)
+
+
+def allreduce_add_rmsnorm_fresh(group, x, residual, weight, eps):
+    """FlashInfer's aliasing: ``norm(all_reduce(x) + residual)`` and the sum, both in
+    fresh storage; ``x`` and ``residual`` untouched. Every base's FlashInfer stand-in."""
+    torch = _torch()
+    reduced = group.all_reduce(x.clone())
+    residual_out = torch.empty_like(residual)
+    torch.add(reduced, residual, out=residual_out)
+    norm_out = torch.empty_like(x)
+    norm_out.copy_(_rms(residual_out, weight, eps))
+    return norm_out, residual_out
+
+
+def allreduce_add_rmsnorm_inplace(group, x, residual, weight, eps):
+    """aiter's aliasing: the sum into ``residual`` and the norm into ``x``, in place."""
     reduced = group.all_reduce(x.clone())
     residual.add_(reduced)
     x.copy_(_rms(residual, weight, eps))

@@ -24,14 +24,18 @@ added so gloo ranks run SGLang's own collectives. Idempotent per process.
 from __future__ import annotations
 
 import atexit
-import os
 import sys
-import tempfile
 from typing import Any
 
 # The CPU kernels for SGLang's CUDA-only collective ops are the same dispatch on both
 # bases (GroupCoordinator's own torch.distributed calls): the pin's.
-from harness.ranks.sglang import DistConfig, _log_import, _register_cpu_collectives, release_shared_memory
+from harness.ranks.sglang import (
+    DistConfig,
+    _log_import,
+    _place_process,
+    _register_cpu_collectives,
+    release_shared_memory,
+)
 
 __all__ = ["init_sglang_distributed", "is_initialized", "current_config"]
 
@@ -121,24 +125,8 @@ def init_sglang_distributed(
             get_context().override("harness", **server_args_overrides)
         return _STATE
 
-    if os.environ.get("HARNESS_TORCH_COMPILE") != "1":
-        # As on the pin: SGLang's small torch.compile'd helpers run eagerly in ranks;
-        # the fullgraph checks turn dynamo back on for their own compile.
-        torch._dynamo.config.disable = True
-
-    on_cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if on_cuda else "gloo")
-    if backend == "nccl" and not on_cuda:
-        raise RuntimeError("backend nccl requested but CUDA is not available")
-    local_rank = rank if local_rank is None else local_rank
-    device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    if init_method is None:
-        if world_size != 1:
-            raise ValueError("init_method is required for world_size > 1")
-        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="sglang-dist-"), "rendezvous")
-    os.environ.pop("LOCAL_SIZE", None)  # keeps the CPU all-reduce on torch.distributed (gloo)
+    backend, local_rank, device, init_method = _place_process(
+        rank, world_size, backend, local_rank, init_method)
 
     import time
 

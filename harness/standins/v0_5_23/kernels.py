@@ -35,7 +35,12 @@ import contextlib
 import sys
 from typing import Any, Iterator
 
-from harness.standins.kernels import FUSION_MODES, _rms, _torch, has_real_kernels
+from harness.standins.kernels import (
+    FUSION_MODES,
+    allreduce_add_rmsnorm_fresh,
+    allreduce_add_rmsnorm_inplace,
+    has_real_kernels,
+)
 
 __all__ = [
     "FUSION_MODES",
@@ -58,7 +63,6 @@ def cpu_flashinfer_allreduce_residual_rmsnorm(
 ):
     """CPU reference of FlashInfer's kARResidualRMSNorm: fresh outputs, inputs untouched.
     ``(None, None)`` where the real wrapper declines (group of one, non-contiguous)."""
-    torch = _torch()
     from sglang.srt.layers.flashinfer_comm_fusion import resolve_fusion_group
 
     world_size, _rank, group = resolve_fusion_group(use_attn_tp_group=use_attn_tp_group)
@@ -67,12 +71,7 @@ def cpu_flashinfer_allreduce_residual_rmsnorm(
     if not (input_tensor.is_contiguous() and residual.is_contiguous()):
         return None, None
     assert input_tensor.shape[0] <= max_token_num
-    reduced = group.all_reduce(input_tensor.clone())
-    residual_out = torch.empty_like(residual)
-    torch.add(reduced, residual, out=residual_out)
-    norm_out = torch.empty_like(input_tensor)
-    norm_out.copy_(_rms(residual_out, weight, eps))
-    return norm_out, residual_out
+    return allreduce_add_rmsnorm_fresh(group, input_tensor, residual, weight, eps)
 
 
 def cpu_aiter_fused_allreduce_rmsnorm(x, residual, weight, eps):
@@ -81,11 +80,7 @@ def cpu_aiter_fused_allreduce_rmsnorm(x, residual, weight, eps):
     allreduce_rmsnorm`` -> ``get_tp_group().fused_allreduce_rmsnorm``)."""
     from sglang.srt.runtime_context import get_parallel
 
-    group = get_parallel().tp_group
-    reduced = group.all_reduce(x.clone())
-    residual.add_(reduced)
-    x.copy_(_rms(residual, weight, eps))
-    return x, residual
+    return allreduce_add_rmsnorm_inplace(get_parallel().tp_group, x, residual, weight, eps)
 
 
 def _holders(name: str, original) -> list:
