@@ -78,17 +78,6 @@ def _gemma3_run(model, input_ids, positions, forward_batch):
     return model(input_ids, positions, forward_batch)
 
 
-# ---------------------------------------------------------------- gemma4
-
-
-_PLE = 4  # hidden_size_per_layer_input
-_GEMMA4_ROPE = {
-    "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
-                       "partial_rotary_factor": 0.25},
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-}
-
-
 SPECS = [
     ModelSpec(
         name="gemma3",

@@ -25,8 +25,6 @@ from harness.standins.v0_5_23.models import (
 # The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
 from harness.standins.models.glm import _glm4_config, _glm4_moe_config, _glm4_moe_lite_config
 
-# One dense layer (layer 0), the rest MoE: both FFN paths run.
-_FIRST_K_DENSE = 1
 _TINY = TinyConfig()
 
 

@@ -21,16 +21,14 @@ from harness.standins.v0_5_23.models import (
     standins,
 )
 # The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
+from harness.standins.models import misc as pin_misc
 from harness.standins.models.misc import (
     _apertus_config,
     _arcee_config,
     _exaone_moe_config,
-    _granite_backend,
     _granite_config,
     _longcat_config,
 )
-
-# ---------------------------------------------------------------- configs (as the pin's)
 
 
 def _longcat_patches(mod):
@@ -50,24 +48,11 @@ def _longcat_patches(mod):
     ]
 
 
-_GRANITE_LAYER_TYPES = ("attention", "mamba")
-
-
-_FAKE_BACKEND = None
-
-
 def _granite_run(model, input_ids, positions, forward_batch):
-    import importlib
-
-    mod = importlib.import_module("sglang.srt.models.granitemoehybrid")
-    saved = mod.get_attn_backend
-    backend = _granite_backend()
-    mod.get_attn_backend = lambda: backend
-    try:
-        with running(forward_batch):
-            return model(input_ids, positions, forward_batch)
-    finally:
-        mod.get_attn_backend = saved
+    """The pin's run (the CPU Mamba backend in place) with the batch held for
+    :func:`layer_output`."""
+    with running(forward_batch):
+        return pin_misc._granite_run(model, input_ids, positions, forward_batch)
 
 
 def _spec(**kw):
