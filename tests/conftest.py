@@ -38,6 +38,9 @@ def pytest_configure(config):
     )
     config.addinivalue_line("markers", "gpu: needs CUDA")
     config.addinivalue_line(
+        "markers", "parity: HF parity tier (tests/parity): SGLang's real models against transformers"
+    )
+    config.addinivalue_line(
         "markers",
         "bases(*versions): the SGLang versions whose base the test runs on (suites "
         "written against their internals); unmarked tests run on the default base only",
@@ -51,6 +54,11 @@ def pytest_configure(config):
 SGLANG_PATHS = ("tests/patches/", "tests/multirank/", "tests/memory/", "tests/ranks/test_sglang_dist.py")
 SGLANG_GROUP = "sglang"
 _WORLD_SIZES: set = set()
+# The HF parity tier runs SGLang only in rank processes of its own (CPU engine mode, see
+# harness/parity/runner.py), driven from one worker: its own group, scheduled second so
+# xdist hands it to the other worker than the "sglang" group.
+PARITY_PATHS = ("tests/parity/",)
+PARITY_GROUP = "parity"
 
 
 def _needs_sglang(item) -> bool:
@@ -58,10 +66,16 @@ def _needs_sglang(item) -> bool:
     return rel.startswith(SGLANG_PATHS)
 
 
+def _is_parity(item) -> bool:
+    return item.nodeid.split("::", 1)[0].startswith(PARITY_PATHS)
+
+
 def pytest_itemcollected(item):
     # Here, not in pytest_collection_modifyitems: xdist's worker reads the group there.
     if _needs_sglang(item):
         item.add_marker(pytest.mark.xdist_group(SGLANG_GROUP))
+    elif _is_parity(item):
+        item.add_marker(pytest.mark.xdist_group(PARITY_GROUP))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -71,9 +85,10 @@ def pytest_collection_modifyitems(config, items):
         if _needs_sglang(item):
             for m in item.iter_markers("world_size"):
                 _WORLD_SIZES.add(int(m.args[0]))
-    # Stable: in-process SGLang tests, then multirank ones, then everything else as is.
+    # Stable: in-process SGLang tests, then multirank ones, then the parity tier, then
+    # everything else as is.
     items.sort(key=lambda it: (0 if _needs_sglang(it) and not it.get_closest_marker("world_size")
-                               else 1 if _needs_sglang(it) else 2))
+                               else 1 if _needs_sglang(it) else 2 if _is_parity(it) else 3))
 
 
 def active_base() -> tuple[bool, str]:

@@ -1,0 +1,104 @@
+"""The capturing model families that transformers implements, one :class:`Family` each.
+
+A family says how to make a tiny transformers checkpoint of it (config class, fields,
+model class), where transformers keeps its final norm (for the ``pre_norm`` last-layer
+reference), which model spec of the stand-in suites it corresponds to (the survey's
+bugs and their patches, ``harness.standins.models``), and whether its layers defer
+their all-reduce (then the FlashInfer fusion emulation runs at TP > 1).
+
+One module per family group; each exposes ``FAMILIES``. :func:`families` finds them.
+Stdlib-only at import time (transformers is imported when a checkpoint is made).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from typing import Any, Callable, Mapping, Optional
+
+__all__ = ["Family", "families", "BOTH_BASES", "tiny_fields"]
+
+BOTH_BASES = ("0.5.13.post1", "0.5.23")
+
+
+def tiny_fields(**fields: Any) -> dict[str, Any]:
+    """The shared tiny sizes of a parity checkpoint, then ``fields``.
+
+    Weights come from transformers' own initialisation with ``initializer_range`` 0.2
+    (every layer then moves the stream visibly, so an off-by-one layer or a lost
+    addend shows far above float32 noise); float32 throughout.
+    """
+    base: dict[str, Any] = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="float32",
+    )
+    base.update(fields)
+    return base
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One capturing model family, as transformers and SGLang each implement it."""
+
+    name: str  # test id, e.g. "llama"
+    sglang_file: str  # the pin's model file that captures (docs/MODELS.md row)
+    hf_config_class: str  # transformers config class, e.g. "LlamaConfig"
+    hf_model_class: str  # transformers model class, e.g. "LlamaForCausalLM"
+    config: Callable[[], dict]  # the config class's keyword arguments (tiny)
+    # The stand-in suites' model spec (harness.standins.models) of the same forward: the
+    # survey's bugs (``pin_bugs``) and the patch that fixes each on the active base.
+    spec: str = ""
+    # Its decoder layers can defer the MLP all-reduce into the next layer's fused norm:
+    # at TP > 1 the FlashInfer fusion emulation runs too.
+    defers: bool = False
+    # transformers' final norm module (its input is the pre-norm last-layer stream).
+    hf_final_norm: str = "model.norm"
+    # Fields SGLang reads that transformers' config does not write (config.json).
+    config_json: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # After transformers' init, before save_pretrained: e.g. make a feature visible.
+    prepare: Optional[Callable[[Any], None]] = None
+    # SGLang's attention backend on the CPU: torch_native, or triton (interpreted) where
+    # torch_native lacks the family's path (MLA prefill), or "module:function" building
+    # the family's own pools and backend (harness.parity.runner.extend_batch).
+    attention: str = "torch_native"
+    bases: tuple = BOTH_BASES
+    tps: tuple = (1, 2)
+    # Absolute/relative tolerance of float32 comparisons against transformers.
+    atol: float = 2e-4
+    rtol: float = 2e-4
+    note: str = ""
+
+    def fusions(self, tp: int) -> tuple:
+        return ("off", "flashinfer") if self.defers and tp > 1 else ("off",)
+
+
+_FAMILIES: Optional[dict[str, Family]] = None
+
+
+def families() -> dict[str, Family]:
+    """Every :class:`Family`, by name."""
+    global _FAMILIES
+    if _FAMILIES is None:
+        found: dict[str, Family] = {}
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+            mod = importlib.import_module(f"{__name__}.{info.name}")
+            for fam in getattr(mod, "FAMILIES", []):
+                if fam.name in found:
+                    raise ValueError(f"two parity families named {fam.name!r}")
+                found[fam.name] = fam
+        _FAMILIES = found
+    return _FAMILIES

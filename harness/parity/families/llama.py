@@ -1,0 +1,16 @@
+"""Llama: ``LlamaForCausalLM`` (llama.py; also Phi3, InternLM3, IQuestCoder)."""
+
+from __future__ import annotations
+
+from harness.parity.families import Family, tiny_fields
+
+FAMILIES = [
+    Family(
+        name="llama",
+        sglang_file="llama.py",
+        hf_config_class="LlamaConfig",
+        hf_model_class="LlamaForCausalLM",
+        config=lambda: tiny_fields(),
+        spec="llama",
+    ),
+]

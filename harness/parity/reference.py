@@ -1,0 +1,106 @@
+"""transformers' side of the parity tier: a tiny checkpoint and what it computes.
+
+:func:`make_checkpoint` writes a random-weight checkpoint of a family with
+``save_pretrained`` (seeded, float32); :func:`reference` runs transformers on the
+parity prompts, one prompt at a time, and returns per token (prompts concatenated, as
+SGLang packs an extend batch):
+
+* ``hidden_states[i]`` for ``i = 0 .. L``: transformers' ``output_hidden_states``.
+  Entry ``i < L`` is the stream entering layer ``i`` (what an in-loop capture of index
+  ``i`` must hold); entry ``L`` is after the final norm (the ``post_norm`` value);
+* ``pre_norm``: the stream entering the final norm, taken with a forward pre-hook
+  (the ``pre_norm`` value of a last-layer capture);
+* ``final``: the final hidden states (entry ``L``), and ``logits``: the next-token
+  logits at each prompt's last token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from harness.parity.families import Family
+
+# Two prompts of different lengths: an extend batch of two requests (so packing,
+# per-request attention and last-token pruning all run).
+PROMPT_LENGTHS = (7, 5)
+
+
+def prompts(vocab_size: int, seed: int = 11) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _module(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def hf_model(family: Family, seed: int = 0):
+    """A fresh transformers model of ``family`` with seeded random weights (float32)."""
+    import torch
+    import transformers
+
+    config_cls = getattr(transformers, family.hf_config_class)
+    model_cls = getattr(transformers, family.hf_model_class)
+    config = config_cls(**family.config())
+    torch.manual_seed(seed)
+    model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    if family.prepare is not None:
+        with torch.no_grad():
+            family.prepare(model)
+    return model
+
+
+def make_checkpoint(family: Family, directory: Path, seed: int = 0):
+    """Write ``family``'s tiny checkpoint to ``directory``; returns the transformers model."""
+    model = hf_model(family, seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    if family.config_json:
+        path = directory / "config.json"
+        data = json.loads(path.read_text())
+        data.update(family.config_json)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    return model
+
+
+def reference(family: Family, model, prompt_ids: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """What transformers computes for ``prompt_ids`` (see the module docstring)."""
+    import torch
+
+    norm = _module(model, family.hf_final_norm)
+    seen: list = []
+    handle = norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().clone()))
+    hidden: list[list] = []
+    pre_norm, logits = [], []
+    try:
+        with torch.no_grad():
+            for ids in prompt_ids:
+                seen.clear()
+                out = model(torch.tensor([list(ids)]), output_hidden_states=True, use_cache=False)
+                if len(seen) != 1:
+                    raise RuntimeError(
+                        f"{family.name}: transformers' {family.hf_final_norm} ran {len(seen)} times"
+                    )
+                hidden.append([h[0] for h in out.hidden_states])
+                pre_norm.append(seen[0][0])
+                logits.append(out.logits[0, -1])
+    finally:
+        handle.remove()
+    n_entries = {len(h) for h in hidden}
+    if len(n_entries) != 1:
+        raise RuntimeError(f"{family.name}: hidden_states entries differ between prompts")
+    hidden_states = [torch.cat([h[i] for h in hidden]) for i in range(n_entries.pop())]
+    return {
+        "hidden_states": hidden_states,
+        "pre_norm": torch.cat(pre_norm),
+        "final": hidden_states[-1],
+        "logits": torch.stack(logits),
+        "num_layers": len(hidden_states) - 1,
+    }

@@ -1,0 +1,241 @@
+"""HF parity: every capturing family that transformers implements, against transformers.
+
+For each family (``harness/parity/families``): a tiny random-weight transformers
+checkpoint is written with ``save_pretrained``; SGLang loads it through its own
+``ModelConfig`` and model loader at TP = 1 and TP = 2 (gloo), requests captures
+through the function the model runner calls (EAGLE3 ids ``1 .. L-1``, DFlash ids
+``0, L // 2, L - 1``; both hold the last layer) and runs an extend batch of two
+prompts on its CPU paths (``torch_native`` attention). At TP = 2 the norms alias like
+the CUDA kernels, and where the family's layers defer their all-reduce the FlashInfer
+fusion emulation runs too. Checked against transformers:
+
+* ``test_final_and_logits``: the final hidden states (every token) and the next-token
+  logits, with nothing captured;
+* ``test_in_loop_captures``: capture ``k`` at index ``i < L`` equals transformers'
+  ``hidden_states[i]`` (the stream entering layer ``i``), the setter mapped draft
+  layer id ``j`` to index ``j + 1``, and capturing left the final hidden states as
+  they are without it;
+* ``test_last_layer_capture``: K of K reach the logits processor's output (what the
+  draft receives), and the capture of index ``L`` equals the stream entering
+  transformers' final norm (``pre_norm``, this series' last-layer semantics).
+
+Guards follow the survey's bugs (``harness.standins.models``): a case guards the patch
+that fixes the bug it exercises on the active base, so `make ablation` shows it
+failing without that patch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.parity import reference
+from harness.parity.families import BOTH_BASES, families
+from harness.parity.runner import ENV, INIT_FN
+
+pytestmark = [pytest.mark.bases(*BOTH_BASES), pytest.mark.parity]
+
+TPS = (1, 2)
+SETS = ("none", "eagle3", "dflash")
+
+
+def _active(fam) -> bool:
+    from harness.patchset.layout import layout
+
+    return layout().label in fam.bases
+
+
+def capture_request(set_name: str, num_layers: int) -> dict:
+    """What the model runner passes for each capture set (draft layer ids)."""
+    if set_name == "eagle3":
+        return {"eagle3": list(range(1, num_layers))}
+    if set_name == "dflash":
+        return {"dflash": [0, num_layers // 2, num_layers - 1]}
+    return {}
+
+
+def _num_layers(fam) -> int:
+    return int(fam.config()["num_hidden_layers"])
+
+
+def _cases():
+    """(test id, family, tp, set, fusion) for every parity run of the active base."""
+    out = []
+    for name, fam in sorted(families().items()):
+        for tp in TPS:
+            if tp not in fam.tps:
+                continue
+            for set_name in SETS:
+                for fusion in fam.fusions(tp):
+                    out.append((f"{name}-tp{tp}-{set_name}-{fusion}", name, tp, set_name, fusion))
+    return out
+
+
+CASES = _cases()
+
+
+def _bugs(fam) -> frozenset:
+    from harness.standins.models import specs
+
+    spec = specs().get(fam.spec)
+    return spec.bugs() if spec is not None else frozenset()
+
+
+def _patch_for(fam, bug: str):
+    from harness.standins.models import specs
+
+    spec = specs().get(fam.spec)
+    return spec.patch_for(bug) if spec is not None else None
+
+
+def _guards(fam, bugs: list[str]) -> list:
+    present = _bugs(fam)
+    ids = sorted({p for p in (_patch_for(fam, b) for b in bugs if b in present) if p})
+    return [pytest.mark.guards(p) for p in ids]
+
+
+def _params(kind: str):
+    for case_id, name, tp, set_name, fusion in CASES:
+        fam = families()[name]
+        if (kind == "final") != (set_name == "none"):
+            continue
+        marks = [pytest.mark.multirank, pytest.mark.world_size(tp)]
+        if kind == "in_loop" and tp > 1 and fusion != "off":
+            marks += _guards(fam, ["A"])
+        if kind == "last":
+            marks += _guards(fam, ["C"])
+        yield pytest.param(name, tp, set_name, fusion, id=case_id, marks=marks)
+
+
+# ------------------------------------------------------------------ fixtures
+
+_RUNS: dict = {}
+
+
+def _pool(rank_pool, tp: int, wait: bool = True):
+    """The warm parity pool of ``tp`` ranks: spawned in SGLang's CPU engine mode."""
+    return rank_pool(tp, backend="gloo", init_fn=INIT_FN, env=dict(ENV), timeout=1200,
+                     start_timeout=900, wait=wait)
+
+
+@pytest.fixture(scope="module")
+def references(rank_pool, tmp_path_factory):
+    """Per active family: its checkpoint directory, prompts and transformers' outputs.
+
+    The rank pools start first (each rank imports SGLang meanwhile)."""
+    for tp in TPS:
+        _pool(rank_pool, tp, wait=False)
+    root = tmp_path_factory.mktemp("parity")
+    out = {}
+    for name, fam in sorted(families().items()):
+        if not _active(fam):
+            continue
+        model = reference.make_checkpoint(fam, root / name)
+        prompts = reference.prompts(fam.config()["vocab_size"])
+        out[name] = dict(checkpoint=str(root / name), prompts=prompts,
+                         ref=reference.reference(fam, model, prompts))
+        del model
+    return out
+
+
+def _run(rank_pool, references, tp: int) -> dict:
+    """Every case of this TP in one call to a warm pool of ``tp`` ranks (each loads the
+    checkpoint itself: TP sharding by SGLang's own weight loaders)."""
+    if tp not in _RUNS:
+        keys, cases = [], []
+        for name, fam in sorted(families().items()):
+            if name not in references or tp not in fam.tps:
+                continue
+            L = _num_layers(fam)
+            for set_name in SETS:
+                keys.append((name, set_name))
+                cases.append(dict(checkpoint=references[name]["checkpoint"],
+                                  prompts=references[name]["prompts"],
+                                  capture=capture_request(set_name, L),
+                                  fusions=list(fam.fusions(tp)), attention=fam.attention))
+        per_rank = _pool(rank_pool, tp).run("harness.parity.runner:run_family", cases)
+        _RUNS[tp] = {
+            (key, fusion): [rank_results[i][j] for rank_results in per_rank]
+            for i, key in enumerate(keys)
+            for j, fusion in enumerate(cases[i]["fusions"])
+        }
+    return _RUNS[tp]
+
+
+def _results(rank_pool, references, name, tp, set_name, fusion) -> list:
+    fam = families()[name]
+    if not _active(fam):
+        pytest.skip(f"{name}: not on this base")
+    per_rank = _run(rank_pool, references, tp)[((name, set_name), fusion)]
+    for r, res in enumerate(per_rank):
+        if "error" in res:
+            pytest.fail(f"{name} tp{tp} {set_name} {fusion}: rank {r} raised:\n{res['error']}")
+    return per_rank
+
+
+def _close(fam, got, want, what: str, rank: int) -> None:
+    scale = max(float(want.abs().max()), 1.0)
+    diff = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+    assert got.shape == want.shape and diff <= fam.atol * scale + 0.0, (
+        f"rank {rank}: {what} differs from transformers: max abs diff {diff:.3g} "
+        f"(|ref| max {scale:.3g}, shape {tuple(got.shape)} vs {tuple(want.shape)})"
+    )
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("name, tp, set_name, fusion", list(_params("final")))
+def test_final_and_logits(rank_pool, references, name, tp, set_name, fusion):
+    fam = families()[name]
+    ref = references[name]["ref"]
+    per_rank = _results(rank_pool, references, name, tp, set_name, fusion)
+    for r, res in enumerate(per_rank):
+        _close(fam, res["final"], ref["final"], "final hidden states", r)
+        _close(fam, res["logits"], ref["logits"], "next-token logits", r)
+
+
+def _slots(res, hidden: int):
+    aux = res["aux"]
+    if aux is None:
+        return []
+    return [aux[:, k * hidden:(k + 1) * hidden] for k in range(aux.shape[-1] // hidden)]
+
+
+@pytest.mark.parametrize("name, tp, set_name, fusion", list(_params("in_loop")))
+def test_in_loop_captures(rank_pool, references, name, tp, set_name, fusion):
+    fam = families()[name]
+    ref = references[name]["ref"]
+    L = ref["num_layers"]
+    ids = capture_request(set_name, L)[set_name]
+    plain = _results(rank_pool, references, name, tp, "none", fusion)
+    for r, res in enumerate(_results(rank_pool, references, name, tp, set_name, fusion)):
+        assert torch.equal(res["final"], plain[r]["final"]), (
+            f"rank {r}: capturing changed the final hidden states"
+        )
+        assert res["layers_to_capture"] == [j + 1 for j in ids], (
+            f"rank {r}: the {set_name} setter mapped draft layer ids {ids} to capture "
+            f"indices {res['layers_to_capture']}, not {[j + 1 for j in ids]}"
+        )
+        slots = _slots(res, ref["final"].shape[-1])
+        for k, index in enumerate(res["layers_to_capture"]):
+            if index < L and k < len(slots):
+                _close(fam, slots[k], ref["hidden_states"][index],
+                       f"capture {k} (index {index}, the stream entering layer {index})", r)
+
+
+@pytest.mark.parametrize("name, tp, set_name, fusion", list(_params("last")))
+def test_last_layer_capture(rank_pool, references, name, tp, set_name, fusion):
+    fam = families()[name]
+    ref = references[name]["ref"]
+    L = ref["num_layers"]
+    ids = capture_request(set_name, L)[set_name]
+    for r, res in enumerate(_results(rank_pool, references, name, tp, set_name, fusion)):
+        slots = _slots(res, ref["final"].shape[-1])
+        assert res["num_aux"] == len(ids) and len(slots) == len(ids), (
+            f"rank {r}: captured {res['num_aux']} of {len(ids)} aux hidden states "
+            f"({len(slots)} reached the logits processor's output)"
+        )
+        k = len(ids) - 1  # the last requested id is layer L - 1: capture index L
+        _close(fam, slots[k], ref["pre_norm"],
+               f"capture {k} (index {L}: the last layer's output, pre_norm)", r)
