@@ -127,8 +127,13 @@ def capture_case(
     num_tokens: int = 6,
     mode: str = "extend",
     tbo: bool = False,
+    list_only: bool = False,
 ) -> Dict[str, Any]:
     """Runs one capture case; returns plain data for cross-rank comparison.
+
+    ``list_only``: request the captures by setting the model's ``layers_to_capture``
+    alone, as the Qwen3-VL wrapper's setter does for its language model, instead of
+    through the model's own setter.
 
     ``tbo``: a batch that can run two-batch overlap; ``model_forward_maybe_tbo`` is
     replaced by a sequential CPU stand-in of the TBO executor (same layers, same math,
@@ -144,7 +149,10 @@ def capture_case(
     m = get_model(model)
     refs, ref_final = reference(model, num_tokens, mode)
     tbo_layers: List[int] = []
-    spec.configure(m, layers_to_capture)
+    if list_only:
+        m.layers_to_capture = list(layers_to_capture)
+    else:
+        spec.configure(m, layers_to_capture)
     try:
         with fusion_mode(fusion), _tbo_executor(m, tbo_layers, enabled=tbo):
             final, aux = _forward(m, input_ids(num_tokens, spec.tiny.vocab_size), mode, tbo=tbo)

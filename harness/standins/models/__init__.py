@@ -69,7 +69,11 @@ class ModelSpec:
     # "C" the last layer is never captured, "B" list + cat, "E" captures aliased by
     # later in-place norms, "F" the last layer defers its all-reduce into the final
     # norm, "T" two-batch overlap drops captures, "X" the capture expression is not the
-    # layer's output.
+    # layer's output, "L" in-loop captures follow per-layer flags, not
+    # layers_to_capture, "D" no DFlash setter (the model runner refuses DFlash), "S" no
+    # setter at all (EAGLE3 and DFlash refused), "N" the final norm differs from the
+    # reference, "V" deepstack lost or multiplied under a deferred all-reduce, or
+    # captured before it.
     pin_bugs: frozenset = frozenset()
     construct: Callable = _default_construct
     configure: Callable = _set_layers_to_capture
@@ -135,6 +139,11 @@ FIXED_BY = {
     "X": "models-aux-packer",
     "F": "qwen3-next-last-layer-allreduce",
     "T": "models-capture-no-shortfall",
+    "L": "models-capture-by-index",
+    "D": "models-capture-setters",
+    "S": "models-capture-setters",
+    "N": "granite-final-norm",
+    "V": "deepstack-capture",
 }
 
 
