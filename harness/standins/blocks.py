@@ -140,5 +140,19 @@ def standin_class(orig_cls: type, cfg: "TinyConfig", reduce: str, attrs: dict | 
                 out = tensor_model_parallel_all_reduce(out)
             return out
 
+    # The two-batch-overlap operations of the real module (``op_prepare``, ``op_gate``,
+    # ...): SGLang's TBO plan lists them, so the stand-in has exactly those names. The
+    # harness's TBO executor runs the layers themselves, never these operations.
+    for op_name in (n for n in dir(orig_cls) if n.startswith("op_")):
+        setattr(StandIn, op_name, _not_run(orig_cls.__name__, op_name))
     StandIn.__name__ = StandIn.__qualname__ = f"StandIn{orig_cls.__name__}"
     return StandIn
+
+
+def _not_run(cls_name: str, op_name: str):
+    def op(self, state):
+        raise RuntimeError(f"stand-in {cls_name}.{op_name}: the harness runs whole layers, "
+                           "not two-batch-overlap operations")
+
+    op.__name__ = op_name
+    return op

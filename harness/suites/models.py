@@ -179,9 +179,42 @@ def capture_case(
     }
 
 
+# What SGLang's TBO plan asks of the GPU and of DeepEP (prefill plans split the SMs
+# between DeepGEMM and DeepEP), answered as an H200 with DeepEP's default SM share would.
+GPU_SMS = 132
+DEEPEP_SMS = 20
+
+
+def tbo_plan(layers, forward_batch):
+    """SGLang's own two-batch-overlap plan for ``layers`` (``OperationsStrategy.init_new_tbo``,
+    which the real executor computes first): it raises for a layer class TBO has no plan
+    for (NotImplementedError) or a dense DeepSeek layer (AssertionError), as on a GPU.
+    Only the GPU's SM count and DeepEP's SM share are answered on the CPU."""
+    import types
+    import unittest.mock as mock
+
+    from sglang.srt.batch_overlap import operations_strategy as strategies
+
+    class _DeepEPConfig:
+        @staticmethod
+        def get_instance():
+            return types.SimpleNamespace(num_sms=DEEPEP_SMS)
+
+    mode = getattr(forward_batch, "global_forward_mode", None) or forward_batch.forward_mode
+    with mock.patch.object(strategies.torch.cuda, "get_device_properties",
+                           lambda *a, **k: types.SimpleNamespace(multi_processor_count=GPU_SMS)), \
+            mock.patch.object(strategies, "DeepEPConfig", _DeepEPConfig):
+        return strategies.OperationsStrategy.init_new_tbo(layers, mode)
+
+
 @contextlib.contextmanager
 def _tbo_executor(model, calls: List[int], enabled: bool):
-    """Replace ``model_forward_maybe_tbo`` where the model's forward looks it up."""
+    """Replace the two-batch-overlap executor where the model's forward looks it up
+    (``model_forward_maybe_tbo``; 0.5.23: ``model_forward_stages``).
+
+    The stand-in first computes SGLang's own plan for the layers (:func:`tbo_plan`), so
+    whatever TBO refuses is refused here too; then it runs the layers in order, with the
+    same math and, like the plan's operations, no captures."""
     import inspect
     import unittest.mock as mock
 
@@ -192,6 +225,7 @@ def _tbo_executor(model, calls: List[int], enabled: bool):
 
     def sequential_tbo(layers, enable_tbo, positions, forward_batch, hidden_states, residual,
                        input_data_scatter_mode=None, zero_allocator=None, **_):
+        tbo_plan(layers, forward_batch)
         calls.append(len(layers))
         for layer in layers:
             params = inspect.signature(layer.forward).parameters
@@ -208,6 +242,7 @@ def _tbo_executor(model, calls: List[int], enabled: bool):
         # forward_batch.residual_stream) and the TBO executor is model_forward_stages.
         def sequential_stages(layers, enable_tbo, positions, forward_batch, hidden_states,
                               zero_allocator=None, **_):
+            tbo_plan(layers, forward_batch)
             calls.append(len(layers))
             for layer in layers:
                 params = inspect.signature(layer.forward).parameters

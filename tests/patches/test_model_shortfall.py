@@ -2,10 +2,14 @@
 0.5.23's models-capture-skips-tbo): a batch that can run TBO still gives K of K
 captures equal to the reference.
 
-The models whose forward sends layers through the TBO executor (survey bug "T":
-``model_forward_maybe_tbo`` on the pin, ``model_forward_stages`` on 0.5.23). The TBO executor is a sequential CPU stand-in: the same layers and math and, like
-SGLang's operation strategies, no captures, so without the patch the captures of those
-layers are missing (or the model returns none at all).
+The TBO executor here (``harness.suites.models._tbo_executor``) first computes SGLang's
+own TBO plan for the layers (``OperationsStrategy.init_new_tbo``), so a layer class TBO
+has no plan for is refused as on a GPU, then runs the layers in order with the same
+math and, like the plan's operations, no captures. Survey bug "T" marks the models whose
+TBO path TBO accepts (deepseek_v2's sparse layers, qwen3_moe's layers); without the
+patch the captures of those layers are missing (or the model returns none at all). The
+other models with a TBO branch never get to drop a capture: TBO refuses their layers,
+capturing or not.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from harness.suites.models import capture_case, layer_sets
 pytestmark = pytest.mark.bases("0.5.13.post1", "0.5.23")
 
 TBO_MODELS = sorted(n for n, s in specs().items() if "T" in s.bugs())
+# Models whose forward has a TBO branch over layers TBO has no plan for.
+TBO_REFUSED = ["glm4_moe", "glm4_moe_lite", "minimax_m2", "qwen2_moe"]
 
 
 @pytest.mark.parametrize("layers_name", ["eagle3-default", "dflash"])
@@ -38,11 +44,11 @@ def test_two_batch_overlap_batch_captures_k_of_k(sglang_tp1, name, layers_name):
 
 
 def test_tbo_models_are_covered():
-    assert {"deepseek_v2", "glm4_moe", "glm4_moe_lite", "qwen2_moe", "qwen3_moe", "minimax_m2"} <= set(TBO_MODELS)
+    assert TBO_MODELS == ["deepseek_v2", "qwen3_moe"]
+    assert not set(TBO_REFUSED) & set(TBO_MODELS)
 
 
-@pytest.mark.parametrize("name", TBO_MODELS)
-def test_two_batch_overlap_still_runs_when_nothing_is_captured(sglang_tp1, name):
+def _tbo_forward(name):
     from harness.suites.models import _forward, _tbo_executor, get_model, input_ids
 
     model = get_model(name)
@@ -50,4 +56,56 @@ def test_two_batch_overlap_still_runs_when_nothing_is_captured(sglang_tp1, name)
     specs()[name].configure(model, [])
     with _tbo_executor(model, calls, enabled=True):
         _forward(model, input_ids(6, specs()[name].tiny.vocab_size), tbo=True)
-    assert sum(calls) > 0, f"{name}: a batch that captures nothing no longer overlaps"
+    return calls
+
+
+@pytest.mark.parametrize("name", TBO_MODELS)
+def test_two_batch_overlap_still_runs_when_nothing_is_captured(sglang_tp1, name):
+    assert sum(_tbo_forward(name)) > 0, f"{name}: a batch that captures nothing no longer overlaps"
+
+
+@pytest.mark.parametrize("name", TBO_REFUSED)
+def test_two_batch_overlap_refuses_these_layers(sglang_tp1, name):
+    """SGLang's TBO plan has no strategy for these layer classes: the TBO executor
+    raises for any batch that can run TBO, as it does on a GPU."""
+    with pytest.raises(NotImplementedError):
+        _tbo_forward(name)
+
+
+def _on_pin() -> bool:
+    from harness.patchset.layout import layout
+
+    return layout().base is None
+
+
+@pytest.mark.skipif(not _on_pin(), reason="the pin's ModelRunner.init_aux_hidden_state_capture")
+@pytest.mark.guards("models-capture-no-shortfall")
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
+def test_model_runner_says_two_batch_overlap_is_off_while_capturing(sglang_tp1, caplog, algorithm):
+    """With --enable-two-batch-overlap, the model runner says once, when it sets up the
+    captures, that capturing batches run without overlap."""
+    import logging
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    class _Model:
+        def set_eagle3_layers_to_capture(self, layer_ids):
+            self.ids = layer_ids
+
+        set_dflash_layers_to_capture = set_eagle3_layers_to_capture
+
+    def setup(tbo: bool):
+        runner = SimpleNamespace(
+            model=_Model(), server_args=SimpleNamespace(enable_two_batch_overlap=tbo),
+            eagle_use_aux_hidden_state=algorithm == "eagle3", eagle_aux_hidden_state_layer_ids=[1, 2],
+            dflash_use_aux_hidden_state=algorithm == "dflash", dflash_target_layer_ids=[1, 2])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sglang.srt.model_executor.model_runner"):
+            ModelRunner.init_aux_hidden_state_capture(runner)
+        return [r.getMessage() for r in caplog.records if "two-batch-overlap" in r.getMessage()]
+
+    said = setup(tbo=True)
+    assert len(said) == 1, f"expected one message about --enable-two-batch-overlap, got {said}"
+    assert "without overlap" in said[0] and "EAGLE3/DFlash" in said[0]
+    assert setup(tbo=False) == []

@@ -14,14 +14,26 @@ import dataclasses
 from harness.standins.blocks import TinyConfig
 from harness.standins.models import REDUCE_DEFERABLE, REDUCE_NONE, ModelSpec
 
-# Two dense-by-position layers first: two-batch overlap runs layers [2, 8).
+# Two dense-by-position layers first, then MoE layers: two-batch overlap runs layers
+# [2, 8), which SGLang's TBO plan takes only when they are sparse (DeepseekV2MoE).
 _TINY = dataclasses.replace(TinyConfig(), first_k_dense_replace=2)
 
 
 def _config(tc):
     from harness.standins.deepseek_v2 import make_config
 
-    return make_config(tc)
+    config = make_config(tc)
+    # DeepSeek-V3's layout: MoE from first_k_dense_replace on (DeepseekV2MoE stands in).
+    config.n_routed_experts = 4
+    config.num_experts_per_tok = 2
+    config.n_shared_experts = 1
+    config.n_group = 1
+    config.topk_group = 1
+    config.routed_scaling_factor = 1.0
+    config.norm_topk_prob = True
+    config.topk_method = "noaux_tc"
+    config.scoring_func = "sigmoid"
+    return config
 
 
 def _run(model, input_ids, positions, forward_batch):
@@ -42,6 +54,9 @@ SPECS = [
             "DeepseekV2AttentionMLA": (REDUCE_NONE, {}),
             # down_proj(skip_all_reduce=should_allreduce_fusion or use_reduce_scatter).
             "DeepseekV2MLP": (REDUCE_DEFERABLE, {}),
+            # The sparse layers' MoE: all-reduces its routed + shared output unless the
+            # layer defers it (should_allreduce_fusion / use_reduce_scatter).
+            "DeepseekV2MoE": (REDUCE_DEFERABLE, {}),
         },
         config=_config,
         defers=True,

@@ -133,15 +133,16 @@ SPECS = [
         },
         config=_glm4_moe_config,
         defers=True,
-        pin_bugs=frozenset({"A", "B", "C", "T", "D"}),
+        pin_bugs=frozenset({"A", "B", "C", "D"}),
         wraps=(
             "glm4_moe.py: Glm4MoeForCausalLM (set_eagle3_layers_to_capture only)",
             "glm4v_moe.py: Glm4vMoeForConditionalGeneration (Glm4MoeModel; no setter: dead)",
         ),
         note=(
-            "Auto-enabled FlashInfer fusion arch (Glm4MoeForCausalLM). TBO runs layers "
-            "[first_k_dense_replace, end_layer) under model_forward_maybe_tbo without "
-            "capturing (glm4_moe.py:1140-1151). Unguarded hidden_states + residual: "
+            "Auto-enabled FlashInfer fusion arch (Glm4MoeForCausalLM). Its TBO branch "
+            "(glm4_moe.py:1140-1151) never runs: OperationsStrategy.init_new_tbo has no "
+            "plan for Glm4MoeDecoderLayer and raises NotImplementedError for any TBO "
+            "batch, capturing or not (no bug T). Unguarded hidden_states + residual: "
             "index 0 raises TypeError."
         ),
     ),
@@ -163,15 +164,17 @@ SPECS = [
         config=_glm4_moe_lite_config,
         run=_run_lite,
         defers=True,
-        pin_bugs=frozenset({"A", "B", "C", "T"}),
+        pin_bugs=frozenset({"A", "B", "C"}),
         wraps=(
             "glm4_moe_lite.py: Glm4MoeLiteForCausalLM (set_eagle3 and set_dflash)",
             "glm4_moe_lite_nextn.py (Glm4MoeLiteDecoderLayer only; no capture)",
         ),
         note=(
             "Auto-enabled FlashInfer fusion arch. set_eagle3_layers_to_capture maps ids "
-            "+1 only when layer_ids[0] == 1, else raw (glm4_moe_lite.py:1034-1037). TBO "
-            "skips captures (864-876). prepare_attn gets quant_format positionally."
+            "+1 only when layer_ids[0] == 1, else raw (glm4_moe_lite.py:1034-1037). Its "
+            "TBO branch (864-876) never runs: init_new_tbo raises NotImplementedError for "
+            "Glm4MoeLiteDecoderLayer (no bug T). prepare_attn gets quant_format "
+            "positionally."
         ),
     ),
 ]

@@ -42,16 +42,16 @@ SPECS = [
         },
         config=_config,
         defers=True,
-        pin_bugs=frozenset({"B", "C", "T", "D"}),
+        pin_bugs=frozenset({"B", "C", "D"}),
         wraps=(
             "minimax_m2.py: MiniMaxM2ForCausalLM (set_eagle3_layers_to_capture only)",
         ),
         note=(
-            "Communicator capture at the pin (post all-reduce, so no bug A). TBO "
-            "(can_run_tbo, minimax_m2.py:1160-1169) passes no capture list, and "
+            "Communicator capture at the pin (post all-reduce, so no bug A). Its TBO "
+            "branch (can_run_tbo, minimax_m2.py:1160-1169) never runs: "
             "OperationsStrategy.init_new_tbo raises NotImplementedError for this layer "
-            "class. A non-last PP rank's last layer can defer and ship a partial sum in "
-            "PPProxyTensors."
+            "class, capturing or not (no bug T). A non-last PP rank's last layer can "
+            "defer and ship a partial sum in PPProxyTensors."
         ),
     ),
 ]
