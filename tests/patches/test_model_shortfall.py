@@ -72,22 +72,18 @@ def test_two_batch_overlap_refuses_these_layers(sglang_tp1, name):
         _tbo_forward(name)
 
 
-def _on_pin() -> bool:
-    from harness.patchset.layout import layout
 
-    return layout().base is None
-
-
-@pytest.mark.skipif(not _on_pin(), reason="the pin's ModelRunner.init_aux_hidden_state_capture")
-@pytest.mark.guards("models-capture-no-shortfall")
+@pytest.mark.guards(specs()["deepseek_v2"].patch_for("T"))
 @pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
 def test_model_runner_says_two_batch_overlap_is_off_while_capturing(sglang_tp1, caplog, algorithm):
     """With --enable-two-batch-overlap, the model runner says once, when it sets up the
-    captures, that capturing batches run without overlap."""
+    captures, that capturing batches run without overlap (the pin's
+    ``ModelRunner.init_aux_hidden_state_capture``, 0.5.23's
+    ``configure_aux_hidden_state_capture``)."""
+    import importlib.util
     import logging
     from types import SimpleNamespace
-
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    from unittest import mock
 
     class _Model:
         def set_eagle3_layers_to_capture(self, layer_ids):
@@ -95,14 +91,26 @@ def test_model_runner_says_two_batch_overlap_is_off_while_capturing(sglang_tp1, 
 
         set_dflash_layers_to_capture = set_eagle3_layers_to_capture
 
+    flags = dict(eagle_use_aux_hidden_state=algorithm == "eagle3",
+                 eagle_aux_hidden_state_layer_ids=[1, 2],
+                 dflash_use_aux_hidden_state=algorithm == "dflash", dflash_target_layer_ids=[1, 2])
+    setup_mod = "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
+
     def setup(tbo: bool):
-        runner = SimpleNamespace(
-            model=_Model(), server_args=SimpleNamespace(enable_two_batch_overlap=tbo),
-            eagle_use_aux_hidden_state=algorithm == "eagle3", eagle_aux_hidden_state_layer_ids=[1, 2],
-            dflash_use_aux_hidden_state=algorithm == "dflash", dflash_target_layer_ids=[1, 2])
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="sglang.srt.model_executor.model_runner"):
-            ModelRunner.init_aux_hidden_state_capture(runner)
+        with caplog.at_level(logging.WARNING, logger="sglang"):
+            if importlib.util.find_spec("sglang.srt.model_executor.model_runner_components") is None:
+                from sglang.srt.model_executor.model_runner import ModelRunner
+
+                ModelRunner.init_aux_hidden_state_capture(SimpleNamespace(
+                    model=_Model(), server_args=SimpleNamespace(enable_two_batch_overlap=tbo),
+                    **flags))
+            else:
+                setup = importlib.import_module(setup_mod)
+                overlap = SimpleNamespace(overlap=SimpleNamespace(enable_two_batch_overlap=tbo))
+                with mock.patch.object(setup, "get_exec", lambda: overlap):
+                    setup.configure_aux_hidden_state_capture(model=_Model(), is_dspark=False,
+                                                             **flags)
         return [r.getMessage() for r in caplog.records if "two-batch-overlap" in r.getMessage()]
 
     said = setup(tbo=True)

@@ -62,6 +62,9 @@ FIXED_BY = {
     "E": "gemma3-capture-layer-output",
     "X": "gemma3-capture-layer-output",
     "T": "models-capture-skips-tbo",
+    "L": "models-capture-by-index",
+    "D": "models-capture-setters",
+    "S": "models-capture-setters",
 }
 
 # torch 2.14's Dynamo cannot trace the layer boundaries' msgspec Structs (constructing

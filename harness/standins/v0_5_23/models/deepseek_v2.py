@@ -20,7 +20,8 @@ from harness.standins.v0_5_23.models import (
 # The checkpoint shapes (HF configs) and helpers that do not depend on the base: the pin's.
 from harness.standins.models.deepseek_v2 import _config
 
-# Two dense-by-position layers first: two-batch overlap runs layers [2, 8).
+# Two dense-by-position layers first, then MoE layers (the pin's config): two-batch
+# overlap runs layers [2, 8), which SGLang's TBO plan takes only when they are sparse.
 _TINY = dataclasses.replace(TinyConfig(), first_k_dense_replace=2)
 
 
@@ -30,6 +31,8 @@ def _build_patches(mod):
         # DeepseekV2MLP(reduce_results=False, allow_fused_down=False) (2665-2675): the
         # layer's ffn_boundary.exit(...).finish defers or completes the sum.
         (mod, "DeepseekV2MLP", standin_class(mod.DeepseekV2MLP, _TINY, {})),
+        # The sparse layers' MoE: its partial sum, which the ffn boundary completes.
+        (mod, "DeepseekV2MoE", standin_class(mod.DeepseekV2MoE, _TINY, {})),
     ]
 
 

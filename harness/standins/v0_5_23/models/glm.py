@@ -57,7 +57,7 @@ SPECS = [
         # to the complete sum: the FFN completes at its exit and never defers (no
         # UnreducedOutput, no fused kernel at TP > 1: checked).
         defers=False,
-        pin_bugs=frozenset({"B", "C"}),
+        pin_bugs=frozenset({"B", "C", "S"}),
         layer_output=layer_output,
         run=run_plain,
         wraps=(
@@ -84,7 +84,7 @@ SPECS = [
         }),
         config=_glm4_moe_config,
         defers=True,
-        pin_bugs=frozenset({"B", "C", "T"}),
+        pin_bugs=frozenset({"B", "C", "D"}),
         layer_output=layer_output,
         run=run_plain,
         wraps=(
@@ -92,8 +92,9 @@ SPECS = [
             "glm4v_moe.py: Glm4vMoeForConditionalGeneration (Glm4MoeModel)",
         ),
         note="capture_output at attn_boundary.prepare, after the owed sum (no bug A); "
-        "K-1 of K. A TBO batch runs layers [first_k_dense_replace, end_layer) through "
-        "model_forward_stages without captures (glm4_moe.py 948-968).",
+        "K-1 of K. Its TBO branch (glm4_moe.py 948-968) never runs: "
+        "OperationsStrategy.init_new_tbo raises NotImplementedError for "
+        "Glm4MoeDecoderLayer, capturing or not (no bug T).",
     ),
     ModelSpec(
         name="glm4_moe_lite",
@@ -103,7 +104,7 @@ SPECS = [
         build_patches=_lite_patches,
         config=_glm4_moe_lite_config,
         defers=True,
-        pin_bugs=frozenset({"B", "C", "T"}),
+        pin_bugs=frozenset({"B", "C"}),
         layer_output=layer_output,
         # As Glm4MoeLiteForCausalLM.forward (maybe_input_scattered; a no-op here:
         # AttnTpContext.init_context is called only by DeepSeek/GLM-5 models).
@@ -112,7 +113,8 @@ SPECS = [
             "glm4_moe_lite.py: Glm4MoeLiteForCausalLM (set_eagle3 and set_dflash)",
         ),
         note="set_eagle3_layers_to_capture maps ids +1 only when layer_ids[0] == 1, "
-        "else raw. capture_output at attn_boundary.prepare; K-1 of K. TBO skips "
-        "captures (647-670).",
+        "else raw. capture_output at attn_boundary.prepare; K-1 of K. Its TBO branch "
+        "(647-670) never runs: init_new_tbo raises NotImplementedError for "
+        "Glm4MoeLiteDecoderLayer (no bug T).",
     ),
 ]

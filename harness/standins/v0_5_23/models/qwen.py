@@ -60,7 +60,7 @@ SPECS = [
         build_patches=standins({"Qwen2Attention": {"qkv_proj": None},
                                 "Qwen2MLP": {"gate_up_proj": None}}),
         config=_qwen2_config,
-        pin_bugs=frozenset({"B", "C"}),
+        pin_bugs=frozenset({"B", "C", "D"}),
         wraps=(
             "qwen2.py: Qwen2ForCausalLM",
             "qwen2_5_vl.py: Qwen2_5_VLForConditionalGeneration (self.model = Qwen2Model)",
@@ -88,12 +88,13 @@ SPECS = [
         build_patches=standins({"Qwen2MoeAttention": {}, "Qwen2MoeSparseMoeBlock": {}}),
         config=_qwen2_moe_config,
         configure=_configure_flags,
-        pin_bugs=frozenset({"B", "C", "T"}),
+        pin_bugs=frozenset({"B", "C", "D", "L"}),
         wraps=("qwen2_moe.py: Qwen2MoeForCausalLM",),
         note="capture_gathered through per-layer _is_layer_to_capture flags "
         "(qwen2_moe.py 1196-1202); set_eagle3_layers_to_capture's setattr raises "
-        "IndexError for end_layer (1153-1156). A TBO batch runs every layer through "
-        "model_forward_stages without captures.",
+        "IndexError for end_layer (1153-1156). TBO refuses Qwen2MoeDecoderLayer "
+        "(init_new_tbo raises NotImplementedError); its TBO branch only runs for "
+        "qwen3_moe's layers (bug T there).",
     ),
     _spec(
         name="qwen3_moe",
@@ -102,7 +103,7 @@ SPECS = [
         build_patches=standins(_QWEN3_MOE),
         config=_qwen3_moe_config,
         configure=_configure_flags,
-        pin_bugs=frozenset({"B", "C", "T"}),
+        pin_bugs=frozenset({"B", "C", "T", "L"}),
         wraps=(
             "qwen3_moe.py: Qwen3MoeForCausalLM",
             "qwen3_vl_moe.py: Qwen3MoeLLMModel subclasses it but overrides forward "
@@ -120,7 +121,7 @@ SPECS = [
         build_patches=standins(_QWEN3, module_name="sglang.srt.models.qwen3"),
         config=_qwen3_vl_config,
         construct=_keyword_construct,
-        pin_bugs=frozenset({"B", "C"}),
+        pin_bugs=frozenset({"B", "C", "D"}),
         wraps=("qwen3_vl.py: Qwen3VLForConditionalGeneration",),
         note="Own forward (qwen3_vl.py 1207-1290) over Qwen3DecoderLayer: "
         "capture_output at attn_boundary.prepare, K-1 of K. Driven without images "

@@ -1,8 +1,8 @@
 # upstream-path: test/registered/unit/models/test_aux_capture_skips_tbo.py
 """A capturing model runs its layers outside two-batch overlap.
 
-With two-batch overlap (TBO), deepseek_v2, glm4_moe, glm4_moe_lite, qwen2_moe,
-qwen3_moe and minimax_m2 run their (sparse) layers through
+With two-batch overlap (TBO), deepseek_v2 (its sparse layers) and qwen3_moe
+(Qwen2MoeModel.forward over Qwen3MoeDecoderLayer) run their layers through
 ``model_forward_stages``, whose stages take no EAGLE3/DFlash captures: the
 captures of those layers were dropped without an error. A model that captures
 must run every layer in the plain loop when the batch could run TBO; a model
