@@ -91,8 +91,10 @@ def request_captures(model, eagle3: Any = None, dflash: Any = None) -> None:
     setup = "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
     if importlib.util.find_spec("sglang.srt.model_executor.model_runner_components") is None:
         from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.server_args import get_global_server_args
 
-        ModelRunner.init_aux_hidden_state_capture(SimpleNamespace(model=model, **state))
+        ModelRunner.init_aux_hidden_state_capture(
+            SimpleNamespace(model=model, server_args=get_global_server_args(), **state))
         return
     importlib.import_module(setup).configure_aux_hidden_state_capture(
         model=model, is_dspark=False, **state)
@@ -171,6 +173,17 @@ def attention_backend(kind: str, model_config, req_to_token, kv):
     return TritonAttnBackend(runner)
 
 
+def _is_mrope(model_config) -> bool:
+    """The model runner's M-RoPE decision: ``mrope_section`` in the text config's rope
+    parameters (``ModelConfig.model_is_mrope`` on 0.5.23, ``ModelRunner`` at the pin)."""
+    flag = getattr(model_config, "model_is_mrope", None)
+    if flag is not None:
+        return bool(flag)
+    text = model_config.hf_text_config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    return rope is not None and "mrope_section" in rope
+
+
 def extend_batch(model_config, prompts: Sequence[Sequence[int]], tp: int,
                  attention: str = "torch_native"):
     """A real extend ``ForwardBatch`` of ``prompts`` with the ``attention`` backend.
@@ -231,6 +244,10 @@ def extend_batch(model_config, prompts: Sequence[Sequence[int]], tp: int,
     fb.attn_backend = backend
     fb.req_to_token_pool = req_to_token
     fb.token_to_kv_pool = kv
+    if _is_mrope(model_config):
+        # Text-only requests: the text positions on all three M-RoPE axes, as
+        # ForwardBatch._compute_mrope_positions makes them for a request without images.
+        fb.mrope_positions = positions.unsqueeze(0).repeat(3, 1)
     backend.init_forward_metadata(fb)
     return input_ids, positions, fb, backend
 
@@ -308,16 +325,27 @@ def _layers_to_capture(model) -> Optional[list]:
     return None if ltc is None else [int(i) for i in ltc]
 
 
+_SETUP_DONE: set = set()
+
+
 def run_case(checkpoint: str, prompts, tp: int, capture: dict, fusions: Sequence[str],
-             attention: str = "torch_native") -> list:
+             attention: str = "torch_native", setup: str = "") -> list:
     """Build the model, request ``capture`` ({"eagle3": ids} / {"dflash": ids} / {}), run
-    each fusion mode; one result dict per fusion (an ``error`` string on failure)."""
+    each fusion mode; one result dict per fusion (an ``error`` string on failure).
+
+    ``setup``: a family's ``"module:function"`` run once per process before its first
+    model is built (e.g. installing the CPU version of a kernel that has no CPU path)."""
     import time
 
     from harness.standins.kernels import fusion_mode, install_cpu_norm
 
     t0 = time.monotonic()
     try:
+        if setup and setup not in _SETUP_DONE:
+            from harness.ranks.child import resolve_callable
+
+            resolve_callable(setup)()
+            _SETUP_DONE.add(setup)
         model_config, model = load(checkpoint)
         if tp > 1:
             install_cpu_norm(model)
@@ -345,5 +373,5 @@ def run_family(rank: int, world_size: int, cases: Sequence[dict]) -> list:
     """Rank task: every case (``checkpoint``, ``prompts``, ``capture``, ``fusions``) on
     this pool's TP; a list of per-fusion result lists, in order."""
     return [run_case(c["checkpoint"], c["prompts"], world_size, c["capture"], c["fusions"],
-                     c.get("attention", "torch_native"))
+                     c.get("attention", "torch_native"), c.get("setup", ""))
             for c in cases]

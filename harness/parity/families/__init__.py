@@ -62,6 +62,10 @@ class Family:
     # The stand-in suites' model spec (harness.standins.models) of the same forward: the
     # survey's bugs (``pin_bugs``) and the patch that fixes each on the active base.
     spec: str = ""
+    # Survey bugs (letters of ``ModelSpec.pin_bugs``) that only this family's parity
+    # path exercises, beyond the ones every family's does (A, C, D, S, N): e.g. "L" when
+    # captures go through a wrapper's setter that sets the language model's list alone.
+    also_exercises: frozenset = frozenset()
     # Its decoder layers can defer the MLP all-reduce into the next layer's fused norm:
     # at TP > 1 the FlashInfer fusion emulation runs too.
     defers: bool = False
@@ -75,6 +79,9 @@ class Family:
     # torch_native lacks the family's path (MLA prefill), or "module:function" building
     # the family's own pools and backend (harness.parity.runner.extend_batch).
     attention: str = "torch_native"
+    # "module:function" run once in each rank before the family's first model is built:
+    # installs CPU versions of kernels that have no CPU path (harness/standins/cpu_kernels).
+    setup: str = ""
     bases: tuple = BOTH_BASES
     tps: tuple = (1, 2)
     # Absolute/relative tolerance of float32 comparisons against transformers.
