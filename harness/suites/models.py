@@ -55,11 +55,12 @@ def input_ids(num_tokens: int, vocab_size: int, seed: int = 7):
     return torch.randint(1, vocab_size, (num_tokens,), generator=g)
 
 
-def _forward(model, ids, mode: str = "extend", tbo: bool = False):
+def _forward(model, ids, mode: str = "extend", tbo: bool = False, **inputs):
     """The spec's real forward on ``ids``; returns (final hidden states, aux or None).
 
     ``tbo``: the batch can run two-batch overlap (``tbo_split_seq_index`` set, as the
-    scheduler's TBO preparer does).
+    scheduler's TBO preparer does). ``inputs``: extra forward arguments (e.g.
+    ``input_deepstack_embeds``).
     """
     import torch
 
@@ -74,7 +75,7 @@ def _forward(model, ids, mode: str = "extend", tbo: bool = False):
     ids = ids.to(device())
     positions = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device)
     with torch.no_grad():
-        out = spec.run(model, ids, positions, fb)
+        out = spec.run(model, ids, positions, fb, **inputs)
     if isinstance(out, tuple):
         return out[0], out[1]
     return out, None
@@ -262,6 +263,34 @@ def _tbo_executor(model, calls: List[int], enabled: bool):
     with mock.patch.object(module, "model_forward_maybe_tbo", sequential_tbo):
         yield
 
+
+
+def deepstack_case(rank: int, world_size: int, *, model: str, layers_to_capture: Sequence[int],
+                   fusion: str = "off", num_tokens: int = 6) -> Dict[str, Any]:
+    """The model's forward with Qwen3-VL deepstack features on every token (integer
+    valued, for the first three layers, ``input_deepstack_embeds``), captures requested
+    through its setter; final hidden states and packed captures, for cross-TP checks."""
+    import torch
+
+    from harness.standins.kernels import device, fusion_mode, model_dtype
+    from harness.standins.models import specs
+
+    spec = specs()[model]
+    m = get_model(model)
+    g = torch.Generator().manual_seed(17)
+    hidden = spec.tiny.hidden_size
+    deepstack = torch.randint(-2, 3, (num_tokens, 3 * hidden), generator=g)
+    deepstack = deepstack.to(device=device(), dtype=model_dtype(spec.tiny))
+    spec.configure(m, layers_to_capture)
+    try:
+        with fusion_mode(fusion):
+            final, aux = _forward(m, input_ids(num_tokens, spec.tiny.vocab_size),
+                                  input_deepstack_embeds=deepstack)
+    finally:
+        spec.configure(m, [])
+    packed = as_packed(aux)
+    return {"rank": rank, "final": final.cpu().clone(),
+            "captures": None if packed is None else packed.cpu().clone()}
 
 def model_matrix(rank: int, world_size: int, cases: Sequence[Dict[str, Any]]):
     """Runs many cases in one call; a failing case returns its traceback, not raises."""

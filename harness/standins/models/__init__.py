@@ -48,8 +48,8 @@ def _default_construct(cls, config):
     return cls(config, quant_config=None)
 
 
-def _default_run(model, input_ids, positions, forward_batch):
-    return model(input_ids, positions, forward_batch)
+def _default_run(model, input_ids, positions, forward_batch, **inputs):
+    return model(input_ids, positions, forward_batch, **inputs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,13 +182,15 @@ _NEXT_NOTE = (
 _QWEN3_5_NOTE = (
     "Layers 3 and 7 are full attention (full_attention_interval=4), the rest Gated "
     "DeltaNet. Both layer types pass is_last_layer (qwen3_5.py:623, 828), so the last "
-    "layer never defers (no bug F). Deepstack (input_deepstack_embeds, layers 0-2) is "
-    "not exercised. EAGLE3 at the pin goes through Qwen3VLForConditionalGeneration."
+    "layer never defers (no bug F). Deepstack (input_deepstack_embeds, layers 0-2) was "
+    "added in place to a layer's hidden_states, this rank's partial sum when the layer "
+    "deferred its all-reduce (bug V: tests/multirank/test_deepstack_partial_sums.py). "
+    "EAGLE3 at the pin goes through Qwen3VLForConditionalGeneration."
     "set_eagle3_layers_to_capture (qwen3_vl.py:1403-1414), which only assigns "
-    "model.layers_to_capture: no flags are set, so EAGLE3 takes zero captures and the "
-    "wrapper's tuple unpack fails; the harness drives captures through the only setter "
-    "that works at the pin, Qwen3_5ForCausalLM.set_dflash_layers_to_capture "
-    "(qwen3_5.py:1134-1137)."
+    "model.layers_to_capture, while the forward captured by per-layer flags (bug L: "
+    "zero captures, the wrapper's tuple unpack fails); these specs request captures "
+    "through Qwen3_5ForCausalLM.set_dflash_layers_to_capture (qwen3_5.py:1134-1137), "
+    "tests/patches/test_capture_by_index.py through the list alone."
 )
 
 _GDN_NEXT = {"Qwen3GatedDeltaNet": (REDUCE_NONE, {})}
