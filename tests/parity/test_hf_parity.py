@@ -84,8 +84,9 @@ def _patch_for(fam, bug: str):
     return spec.patch_for(bug) if spec is not None else None
 
 
-# The survey bugs every family's parity cases exercise (the rest: Family.also_exercises).
-EXERCISED = frozenset({"A", "C", "D", "S", "N"})
+# The survey bugs every family's parity cases exercise (the rest: Family.also_exercises):
+# A, C, R (no DFlash setter), U (no setter at all), N (final norm).
+EXERCISED = frozenset({"A", "C", "R", "U", "N"})
 
 
 def _exercised(fam) -> frozenset:
@@ -94,9 +95,9 @@ def _exercised(fam) -> frozenset:
 
 def refused(fam, set_name: str) -> bool:
     """Whether the model runner refuses this capture set on the base's pristine tree
-    (no setter at all, "S", or no DFlash setter, "D")."""
+    (no setter at all, "U", or no DFlash setter, "R")."""
     bugs = _exercised(fam)
-    return set_name != "none" and ("S" in bugs or (set_name == "dflash" and "D" in bugs))
+    return set_name != "none" and ("U" in bugs or (set_name == "dflash" and "R" in bugs))
 
 
 def case_bugs(fam, kind: str, tp: int, set_name: str, fusion: str) -> list[str]:
@@ -106,7 +107,7 @@ def case_bugs(fam, kind: str, tp: int, set_name: str, fusion: str) -> list[str]:
     if kind == "final":
         return [b for b in ("N",) if b in bugs]
     if refused(fam, set_name):
-        return [b for b in ("S", "D") if b in bugs][:1]
+        return [b for b in ("U", "R") if b in bugs][:1]
     wanted = []
     if kind == "in_loop" and tp > 1 and fusion != "off":
         wanted.append("A")

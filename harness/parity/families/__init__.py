@@ -63,7 +63,7 @@ class Family:
     # survey's bugs (``pin_bugs``) and the patch that fixes each on the active base.
     spec: str = ""
     # Survey bugs (letters of ``ModelSpec.pin_bugs``) that only this family's parity
-    # path exercises, beyond the ones every family's does (A, C, D, S, N): e.g. "L" when
+    # path exercises, beyond the ones every family's does (A, C, R, U, N): e.g. "L" when
     # captures go through a wrapper's setter that sets the language model's list alone.
     also_exercises: frozenset = frozenset()
     # Its decoder layers can defer the MLP all-reduce into the next layer's fused norm:

@@ -70,8 +70,8 @@ class ModelSpec:
     # later in-place norms, "F" the last layer defers its all-reduce into the final
     # norm, "T" two-batch overlap drops captures, "X" the capture expression is not the
     # layer's output, "L" in-loop captures follow per-layer flags, not
-    # layers_to_capture, "D" no DFlash setter (the model runner refuses DFlash), "S" no
-    # setter at all (EAGLE3 and DFlash refused), "N" the final norm differs from the
+    # layers_to_capture, "R" no DFlash setter (the model runner refuses DFlash), "U" no
+    # setter at all (EAGLE3 and DFlash unreachable), "N" the final norm differs from the
     # reference, "V" deepstack lost or multiplied under a deferred all-reduce, or
     # captured before it.
     pin_bugs: frozenset = frozenset()
@@ -140,8 +140,8 @@ FIXED_BY = {
     "F": "qwen3-next-last-layer-allreduce",
     "T": "models-capture-no-shortfall",
     "L": "models-capture-by-index",
-    "D": "models-capture-setters",
-    "S": "models-capture-setters",
+    "R": "models-capture-setters",
+    "U": "models-capture-setters",
     "N": "granite-final-norm",
     "V": "deepstack-capture",
 }

@@ -52,7 +52,7 @@ SPECS = [
         config=_config,
         defers=True,
         embed_attr="word_embeddings",
-        pin_bugs=frozenset({"A", "B", "C", "D"}),
+        pin_bugs=frozenset({"A", "B", "C", "R"}),
         wraps=(
             "bailing_moe.py: BailingMoEForCausalLM, BailingMoeForCausalLM, "
             "BailingMoeV2ForCausalLM (set_eagle3_layers_to_capture only)",

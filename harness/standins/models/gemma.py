@@ -130,7 +130,7 @@ SPECS = [
         config=_gemma3_config,
         construct=_gemma3_construct,
         layer_output=_hidden_only,
-        pin_bugs=frozenset({"B", "D"}),
+        pin_bugs=frozenset({"B", "R"}),
         wraps=(
             "gemma3_causal.py: Gemma3ForCausalLM",
             "gemma3_mm.py: Gemma3ForConditionalGeneration (via Gemma3ForCausalLM)",
@@ -159,7 +159,7 @@ SPECS = [
         config=_gemma4_config,
         construct=_gemma4_construct,
         layer_output=_hidden_only,
-        pin_bugs=frozenset({"B", "E", "D"}),
+        pin_bugs=frozenset({"B", "E", "R"}),
         wraps=(
             "gemma4_causal.py: Gemma4ForCausalLM",
             "gemma4_mm.py: Gemma4ForConditionalGeneration (language_model is a Gemma4TextModel)",

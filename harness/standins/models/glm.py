@@ -102,7 +102,7 @@ SPECS = [
             "Glm4MLP": (REDUCE_SELF, {}),
         },
         config=_glm4_config,
-        pin_bugs=frozenset({"B", "C", "S"}),
+        pin_bugs=frozenset({"B", "C", "U"}),
         wraps=(
             "glm4.py: Glm4ForCausalLM (no set_eagle3/dflash setter at the pin: dead path)",
             "glm4v.py, glm_ocr.py (Glm4Model as the language model; no setter either)",
@@ -133,7 +133,7 @@ SPECS = [
         },
         config=_glm4_moe_config,
         defers=True,
-        pin_bugs=frozenset({"A", "B", "C", "D"}),
+        pin_bugs=frozenset({"A", "B", "C", "R"}),
         wraps=(
             "glm4_moe.py: Glm4MoeForCausalLM (set_eagle3_layers_to_capture only)",
             "glm4v_moe.py: Glm4vMoeForConditionalGeneration (Glm4MoeModel; no setter: dead)",

@@ -42,7 +42,7 @@ SPECS = [
         },
         config=_config,
         defers=True,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=(
             "minimax_m2.py: MiniMaxM2ForCausalLM (set_eagle3_layers_to_capture only)",
         ),

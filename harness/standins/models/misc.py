@@ -195,7 +195,7 @@ SPECS = [
             "ApertusMLP": (REDUCE_DEFERABLE, {}),
         },
         config=_apertus_config,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=("apertus.py: ApertusForCausalLM",),
         note="norms are attention_layernorm / feedforward_layernorm; "
         "forward_split_prefill never captures",
@@ -213,7 +213,7 @@ SPECS = [
         config=_arcee_config,
         # Dead at the pin: no set_eagle3/dflash_layers_to_capture, so nothing ever
         # sets layers_to_capture; the harness sets it directly (default configure).
-        pin_bugs=frozenset({"B", "C", "S"}),
+        pin_bugs=frozenset({"B", "C", "U"}),
         wraps=("arcee.py: ArceeForCausalLM",),
         note="no capture setter at the pin: the capture path is dead code "
         "(EAGLE3 AttributeError, DFlash ValueError); driven by setting "
@@ -235,7 +235,7 @@ SPECS = [
             "ExaoneMoESparseMoEBlock": (REDUCE_DEFERABLE, {}),
         },
         config=_exaone_moe_config,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=("exaone_moe.py: ExaoneMoEForCausalLM",),
         note="forward_split_prefill never captures; exaone_moe_mtp.py builds an "
         "ExaoneMoEModel as its MTP draft (not a capturing target)",
@@ -257,7 +257,7 @@ SPECS = [
         },
         config=_longcat_config,
         build_patches=_longcat_build_patches,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=("longcat_flash.py: LongcatFlashForCausalLM",),
         note="no PP: loops over len(self.layers); each layer = 2 MLA attentions, "
         "2 dense MLPs (explicit all-reduce) and a self-reducing MoE",
@@ -282,7 +282,7 @@ SPECS = [
         run=_granite_run,
         # Dead at the pin (no setter), and its top-of-loop hidden_states + residual
         # double-counts (the layers return the full stream as hidden_states): "X".
-        pin_bugs=frozenset({"B", "C", "X", "S", "N"}),
+        pin_bugs=frozenset({"B", "C", "X", "U", "N"}),
         wraps=("granitemoehybrid.py: GraniteMoeHybridForCausalLM",),
         note="no capture setter at the pin (dead path, driven by setting "
         "layers_to_capture directly); its capture expression hidden_states + residual "

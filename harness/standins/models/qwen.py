@@ -162,7 +162,7 @@ SPECS = [
             "Qwen2MLP": (REDUCE_SELF, {}),
         },
         config=_qwen2_config,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=(
             "qwen2.py: Qwen2ForCausalLM",
             "qwen2_5_vl.py: Qwen2_5_VLForConditionalGeneration (self.model = Qwen2Model)",
@@ -198,7 +198,7 @@ SPECS = [
         },
         config=_qwen2_moe_config,
         configure=_configure_flags,
-        pin_bugs=frozenset({"B", "C", "D", "L"}),
+        pin_bugs=frozenset({"B", "C", "R", "L"}),
         wraps=("qwen2_moe.py: Qwen2MoeForCausalLM",),
         note="Communicator capture through per-layer _is_layer_to_capture flags "
         "(qwen2_moe.py:876-886); set_eagle3_layers_to_capture's setattr raises "
@@ -237,7 +237,7 @@ SPECS = [
         build_patches=_patches_in("sglang.srt.models.qwen3", _QWEN3_STANDINS),
         config=_qwen3_vl_config,
         construct=_keyword_construct,
-        pin_bugs=frozenset({"B", "C", "D", "V"}),
+        pin_bugs=frozenset({"B", "C", "R", "V"}),
         wraps=(
             "qwen3_vl.py: Qwen3VLForConditionalGeneration",
         ),

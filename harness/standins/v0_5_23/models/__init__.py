@@ -63,8 +63,8 @@ FIXED_BY = {
     "X": "gemma3-capture-layer-output",
     "T": "models-capture-skips-tbo",
     "L": "models-capture-by-index",
-    "D": "models-capture-setters",
-    "S": "models-capture-setters",
+    "R": "models-capture-setters",
+    "U": "models-capture-setters",
 }
 
 # torch 2.14's Dynamo cannot trace the layer boundaries' msgspec Structs (constructing

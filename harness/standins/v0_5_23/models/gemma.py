@@ -99,7 +99,7 @@ SPECS = [
         construct=_gemma3_construct,
         layer_output=_hidden_plus_residual,
         run=_gemma3_run,
-        pin_bugs=frozenset({"B", "E", "X", "D"}),
+        pin_bugs=frozenset({"B", "E", "X", "R"}),
         wraps=(
             "gemma3_causal.py: Gemma3ForCausalLM",
             "gemma3_mm.py: Gemma3ForConditionalGeneration (via Gemma3ForCausalLM)",

@@ -57,7 +57,7 @@ SPECS = [
         # to the complete sum: the FFN completes at its exit and never defers (no
         # UnreducedOutput, no fused kernel at TP > 1: checked).
         defers=False,
-        pin_bugs=frozenset({"B", "C", "S"}),
+        pin_bugs=frozenset({"B", "C", "U"}),
         layer_output=layer_output,
         run=run_plain,
         wraps=(
@@ -84,7 +84,7 @@ SPECS = [
         }),
         config=_glm4_moe_config,
         defers=True,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         layer_output=layer_output,
         run=run_plain,
         wraps=(

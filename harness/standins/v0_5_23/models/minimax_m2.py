@@ -29,7 +29,7 @@ SPECS = [
         }),
         config=_config,
         defers=True,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         layer_output=layer_output,
         run=run_plain,
         wraps=("minimax_m2.py: MiniMaxM2ForCausalLM (set_eagle3_layers_to_capture only)",),

@@ -72,7 +72,7 @@ SPECS = [
         # reduce_results=False (263).
         build_patches=standins({"ApertusAttention": {}, "ApertusMLP": {}}),
         config=_apertus_config,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=("apertus.py: ApertusForCausalLM",),
         note="capture_output at attn_boundary.prepare (apertus.py 366-374); final_norm "
         "without capture: K-1 of K. forward_split_prefill never captures.",
@@ -84,7 +84,7 @@ SPECS = [
         # o_proj reduce_results=False (arcee.py 160); ArceeMLP reduce_results=False (239).
         build_patches=standins({"ArceeAttention": {}, "ArceeMLP": {}}),
         config=_arcee_config,
-        pin_bugs=frozenset({"B", "C", "S"}),
+        pin_bugs=frozenset({"B", "C", "U"}),
         wraps=("arcee.py: ArceeForCausalLM",),
         note="no capture setter: the capture path is dead code; driven by setting "
         "layers_to_capture directly (capture_output at attn_boundary.prepare, 340-354).",
@@ -102,7 +102,7 @@ SPECS = [
             "ExaoneMoESparseMoEBlock": {},
         }),
         config=_exaone_moe_config,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=("exaone_moe.py: ExaoneMoEForCausalLM",),
         note="capture_output at attn_boundary.prepare (exaone_moe.py 599-617); K-1 of "
         "K. forward_split_prefill never captures.",
@@ -113,7 +113,7 @@ SPECS = [
         model_cls="LongcatFlashModel",
         build_patches=_longcat_patches,
         config=_longcat_config,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=("longcat_flash.py: LongcatFlashForCausalLM",),
         note="Captures residual_batch.snapshot(hidden_states) at the top of the loop "
         "for i in layers_to_capture (longcat_flash.py 617-623): the same function the "
@@ -142,7 +142,7 @@ SPECS = [
         # UNFUSED_NORM_READOUT reads and residual_multiplier output transforms: every
         # sum completes at its exit, no fusion candidate is bound (checked at TP 2).
         defers=False,
-        pin_bugs=frozenset({"B", "C", "S"}),
+        pin_bugs=frozenset({"B", "C", "U"}),
         wraps=("granitemoehybrid.py: GraniteMoeHybridForCausalLM",),
         note="no capture setter (dead path, driven by setting layers_to_capture "
         "directly). 0.5.23 scales mixer and FFN outputs by residual_multiplier as the "

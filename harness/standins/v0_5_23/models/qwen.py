@@ -60,7 +60,7 @@ SPECS = [
         build_patches=standins({"Qwen2Attention": {"qkv_proj": None},
                                 "Qwen2MLP": {"gate_up_proj": None}}),
         config=_qwen2_config,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=(
             "qwen2.py: Qwen2ForCausalLM",
             "qwen2_5_vl.py: Qwen2_5_VLForConditionalGeneration (self.model = Qwen2Model)",
@@ -88,7 +88,7 @@ SPECS = [
         build_patches=standins({"Qwen2MoeAttention": {}, "Qwen2MoeSparseMoeBlock": {}}),
         config=_qwen2_moe_config,
         configure=_configure_flags,
-        pin_bugs=frozenset({"B", "C", "D", "L"}),
+        pin_bugs=frozenset({"B", "C", "R", "L"}),
         wraps=("qwen2_moe.py: Qwen2MoeForCausalLM",),
         note="capture_gathered through per-layer _is_layer_to_capture flags "
         "(qwen2_moe.py 1196-1202); set_eagle3_layers_to_capture's setattr raises "
@@ -121,7 +121,7 @@ SPECS = [
         build_patches=standins(_QWEN3, module_name="sglang.srt.models.qwen3"),
         config=_qwen3_vl_config,
         construct=_keyword_construct,
-        pin_bugs=frozenset({"B", "C", "D"}),
+        pin_bugs=frozenset({"B", "C", "R"}),
         wraps=("qwen3_vl.py: Qwen3VLForConditionalGeneration",),
         note="Own forward (qwen3_vl.py 1207-1290) over Qwen3DecoderLayer: "
         "capture_output at attn_boundary.prepare, K-1 of K. Driven without images "
