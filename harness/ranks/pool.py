@@ -118,6 +118,9 @@ class RankPool:
         self.timeout = timeout
         self.stack_grace = stack_grace
         self.broken: str | None = None
+        # The error of an init hook that raised (deterministic: get_pool raises it again
+        # instead of spawning the same failing pool for every test that asks).
+        self.init_failure: RankError | None = None
         self.closed = False
         self.calls = 0
         self._current_call = -1
@@ -193,6 +196,8 @@ class RankPool:
         while pending:
             failure = self._pump(pending, self._start_deadline, phase="init")
             if failure is not None:
+                if failure.tracebacks:  # an init hook raised, not a death or a deadline
+                    self.init_failure = failure
                 raise failure
             pending = {r.rank for r in self._ranks if r.state == "starting"}
         for r in self._ranks:
@@ -449,12 +454,21 @@ def get_pool(
     key = (os.getpid(), world_size, backend, spec_key(init_fn),
            repr(sorted((init_kwargs or {}).items())))
     pool = _POOLS.get(key)
+    if pool is not None and pool.init_failure is not None:
+        # Its init hook raised: a new pool would import SGLang again only to raise the same.
+        raise RankError(f"not respawned: the init hook already raised for this pool in this "
+                        f"process (pid {os.getpid()}); first failure:\n{pool.init_failure}",
+                        kind="init", rank=pool.init_failure.rank, states=pool.init_failure.states,
+                        tracebacks=pool.init_failure.tracebacks, stacks=pool.init_failure.stacks)
     if pool is not None and not pool.healthy:
         pool.close()
         pool = None
     if pool is None:
-        pool = RankPool(world_size, backend, init_fn, init_kwargs=init_kwargs, **pool_kwargs)
-        _POOLS[key] = pool
+        wait = pool_kwargs.pop("wait", True)
+        pool = RankPool(world_size, backend, init_fn, init_kwargs=init_kwargs, wait=False, **pool_kwargs)
+        _POOLS[key] = pool  # kept before waiting: a raising init hook is remembered
+        if wait:
+            pool._wait_ready()
     return pool
 
 

@@ -150,6 +150,17 @@ def test_init_failure_names_rank():
     assert "during init" in str(ei.value) and "TypeError" in str(ei.value)
 
 
+def test_get_pool_does_not_respawn_a_pool_whose_init_raised():
+    """A raising init hook is deterministic: the next request raises the first error
+    again at once, naming the rank, instead of spawning (and importing) it again."""
+    with pytest.raises(RankError) as first:
+        get_pool(2, init_fn="rank_tasks:raise_on", timeout=10)
+    with pytest.raises(RankError) as again:
+        get_pool(2, init_fn="rank_tasks:raise_on", timeout=10)
+    assert again.value.kind == "init" and again.value.rank == first.value.rank
+    assert "not respawned" in str(again.value) and "TypeError" in str(again.value)
+
+
 def test_two_pools_rendezvous_without_collision():
     """Two torch.distributed pools at once in one process (as under pytest -n)."""
     a = RankPool(2, init_fn=init_torch_distributed, timeout=60)
