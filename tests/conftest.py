@@ -51,7 +51,8 @@ def pytest_configure(config):
 # once there (17 s of CPU per import on these machines) while the other worker takes
 # the tooling tests; in-process tests first, then the multirank ones, whose pools that
 # worker starts at its first SGLang test so the ranks import meanwhile.
-SGLANG_PATHS = ("tests/patches/", "tests/multirank/", "tests/memory/", "tests/ranks/test_sglang_dist.py")
+SGLANG_PATHS = ("tests/patches/", "tests/multirank/", "tests/memory/", "tests/ranks/test_sglang_dist.py",
+                "tests/standins/")
 SGLANG_GROUP = "sglang"
 _WORLD_SIZES: set = set()
 # The HF parity tier runs SGLang only in rank processes of its own (CPU engine mode, see
