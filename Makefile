@@ -29,7 +29,7 @@ APPLY := $(TOX) -q -e apply -- $(APPLY_FLAGS)
 
 .DEFAULT_GOAL := help
 .PHONY: help apply-patches export-patches check-patches wheel venv test lock clean \
-	ablation bench bench-suite test-gpu docker-base docker-test upstream-status rebase pr-export
+	e2e ablation bench bench-suite test-gpu docker-base docker-test upstream-status rebase pr-export
 
 $(TOOLS)/.stamp: requirements/tools.txt
 	$(PYTHON) -m venv $(TOOLS)
@@ -69,6 +69,10 @@ lock: $(TOOLS)/.stamp ## re-resolve requirements/tools.txt and requirements/test
 
 clean: ## remove build/ and .tox/ (keeps .cache/ downloads and .tools/)
 	rm -rf build .tox
+
+e2e: $(TOOLS)/.stamp ## real-engine tier: sglang.Engine on the CPU, EAGLE3/DFlash vs plain (junit in build/results/)
+	$(APPLY)
+	$(TOX) -q -e e2e -- $(ARGS)
 
 ablation: $(TOOLS)/.stamp ## run each regression test without its patch (must fail) and with it
 	$(APPLY)

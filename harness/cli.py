@@ -22,6 +22,7 @@ COMMANDS = {
     "lock": ("harness.patchset.lock", "re-resolve requirements/test.lock with uv (hashes, pinned)"),
     "test": ("harness.suites.test", "run the CPU suites with pytest-xdist"),
     "test-gpu": ("harness.suites.gpu", "run the suites on CUDA/NCCL"),
+    "e2e": ("harness.suites.e2e", "the real-engine tier: SGLang's own Engine on the CPU (tests/e2e)"),
     "ablation": ("harness.suites.ablation", "run each regression test without its patch (must fail) and with it"),
     "bench": ("harness.memory.bench", "memory benchmark: list+cat vs packer"),
     "bench-suite": ("harness.suites.budget", "time the suites (and the ablation); count SGLang imports"),

@@ -26,6 +26,12 @@ def pytest_addoption(parser):
         metavar="PATCH_ID",
         help="only run the regression tests marked @pytest.mark.guards(PATCH_ID)",
     )
+    parser.addoption(
+        "--e2e",
+        action="store_true",
+        default=False,
+        help="also run the real-engine tier (tests/e2e, marked e2e): `make e2e`",
+    )
 
 
 def pytest_configure(config):
@@ -37,6 +43,9 @@ def pytest_configure(config):
         "markers", "world_size(n): needs a rank pool of n ranks (started early, see below)"
     )
     config.addinivalue_line("markers", "gpu: needs CUDA")
+    config.addinivalue_line(
+        "markers", "e2e: runs SGLang's real Engine (tests/e2e); deselected unless --e2e"
+    )
     config.addinivalue_line(
         "markers", "parity: HF parity tier (tests/parity): SGLang's real models against transformers"
     )
@@ -71,15 +80,27 @@ def _is_parity(item) -> bool:
     return item.nodeid.split("::", 1)[0].startswith(PARITY_PATHS)
 
 
+E2E_PATH = "tests/e2e/"
+
+
+def _is_e2e(item) -> bool:
+    return item.nodeid.startswith(E2E_PATH) or item.get_closest_marker("e2e") is not None
+
+
 def pytest_itemcollected(item):
     # Here, not in pytest_collection_modifyitems: xdist's worker reads the group there.
     if _needs_sglang(item):
         item.add_marker(pytest.mark.xdist_group(SGLANG_GROUP))
+    elif _is_e2e(item):
+        # One worker runs them all: its driver keeps one Engine per configuration.
+        item.add_marker(pytest.mark.e2e)
+        item.add_marker(pytest.mark.xdist_group("e2e"))
     elif _is_parity(item):
         item.add_marker(pytest.mark.xdist_group(PARITY_GROUP))
 
 
 def pytest_collection_modifyitems(config, items):
+    _select_e2e(config, items)
     _select_base(config, items)
     _select_guarded(config, items)
     for item in items:
@@ -114,6 +135,16 @@ def _select_base(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _select_e2e(config, items):
+    """The real-engine tier costs minutes: only with ``--e2e`` (``make e2e``, ablation)."""
+    if config.getoption("--e2e"):
+        return
+    drop = [item for item in items if _is_e2e(item)]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if not _is_e2e(item)]
 
 
 def _select_guarded(config, items):

@@ -85,7 +85,7 @@ def _run_pytest(lay, label: str, guards: list[str], sglang_path: Path | None,
     if sglang_path is not None:
         env["HARNESS_SGLANG_PATH"] = str(sglang_path)
     cmd = [sys.executable, "-m", "pytest", "-p", "xdist", "-n", workers, "--dist", "loadgroup",
-           "-q", "--tb=line", "--junitxml", str(junit), "tests"]
+           "-q", "--tb=line", "--junitxml", str(junit), "--e2e", "tests"]
     for g in guards:
         cmd += ["--guards", g]
     cmd += extra

@@ -1,0 +1,184 @@
+"""The engine configurations of the tier, what each is sent, and the results it keeps.
+
+One ``Run`` per configuration: every prompt alone, then all of them in one batch, through
+one Engine, with the probe on. Tests only read runs (``Runs.get``), so however pytest
+orders them, each configuration's Engine starts once.
+
+Prompts (token ids): ``ANCHOR`` ends in an anchor token, so the anchored target emits
+``Z`` from its first token on and an exact draft is always right; ``RANDOM`` holds no
+anchor, so the target is a random model for a while and every draft is rejected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from harness.e2e import checkpoints, probe, tokenizer
+from harness.e2e.engine import EngineConfig, EngineError, Session
+
+ANCHOR = (12, 40, 99, 16)
+RANDOM = (200, 17, 33, 41)
+PROMPTS = (ANCHOR, RANDOM)
+MAX_NEW_TOKENS = 5  # the prefill's token, then one verify round of 4 when all is accepted
+SAMPLING = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+
+# The capture ids each draft names: every one includes the target's last layer (3 layers).
+LLAMA_LAYERS = 3
+DEEPSEEK_LAYERS = 3
+LLAMA_IDS = (0, 1, 2)      # llama adds 1: captures 1, 2, 3 (3 = the last layer's output)
+DEEPSEEK_IDS = (1, 2)      # deepseek_v2 adds 1 when the first id is 1: captures 2, 3
+
+# The patch that makes the last layer's capture happen, per target family (both bases).
+GUARDS = {"llama": "models-capture-final-layer", "deepseek_v3": "dsv2-capture-final-layer"}
+# Bases whose SGLang refuses DFLASH on the CPU (platform_refusal): their DFlash tests
+# skip, so they guard nothing there (the ablation counts a skip as not failing).
+DFLASH_REFUSED = ("0.5.23",)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One Engine configuration."""
+
+    key: str
+    model: str                    # target family
+    algorithm: str | None = None  # None: plain; "EAGLE3"; "DFLASH"
+    draft: str | None = None      # "exact" | "random"
+    dtype: str = "float32"
+    topk: int = 1
+    steps: int = 3
+    draft_tokens: int = 4
+    reference_for: str | None = None  # run only as this configuration's plain reference
+
+    @property
+    def aux_ids(self) -> tuple[int, ...]:
+        return LLAMA_IDS if self.model == "llama" else DEEPSEEK_IDS
+
+    @property
+    def plain_key(self) -> str:
+        """The plain configuration its outputs must equal (same target, same dtype)."""
+        return f"{self.model}-plain" + {"float32": "", "bfloat16": "-bf16"}[self.dtype]
+
+    @property
+    def accept_length(self) -> float:
+        """What an always-right draft reaches: every draft token of a round, plus the bonus."""
+        return float(self.draft_tokens if self.algorithm == "DFLASH" else self.steps + 1)
+
+
+CASES = {c.key: c for c in (
+    Case("llama-plain", "llama"),
+    Case("llama-eagle3-exact", "llama", "EAGLE3", "exact", topk=1),
+    Case("llama-eagle3-random", "llama", "EAGLE3", "random", topk=2),
+    # DFlash hands the draft input embeddings, which SGLang's forward_extend casts to
+    # bfloat16 whatever the model dtype: a DFlash engine runs in bfloat16 or not at all.
+    Case("llama-plain-bf16", "llama", dtype="bfloat16", reference_for="llama-dflash-exact"),
+    Case("llama-dflash-exact", "llama", "DFLASH", "exact", dtype="bfloat16", draft_tokens=4),
+    Case("deepseek_v3-plain", "deepseek_v3"),
+    Case("deepseek_v3-eagle3-exact", "deepseek_v3", "EAGLE3", "exact", topk=1),
+)}
+SPEC_CASES = [c for c in CASES.values() if c.algorithm]
+EXACT_CASES = [c for c in SPEC_CASES if c.draft == "exact"]
+PLAIN_CASES = [c for c in CASES.values() if not c.algorithm]
+
+
+class Checkpoints:
+    """The tier's checkpoints under ``root``, each made on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._made: dict[str, Any] = {}
+
+    def _once(self, name: str, make: Callable[[Path], Any]) -> Any:
+        if name not in self._made:
+            self._made[name] = make(self.root / name)
+        return self._made[name]
+
+    def target(self, model: str) -> checkpoints.Target:
+        if model == "llama":
+            return self._once("llama", lambda p: checkpoints.make_llama(p, layers=LLAMA_LAYERS))
+        if model == "deepseek_v3":
+            return self._once("deepseek_v3", lambda p: checkpoints.make_deepseek(p, layers=DEEPSEEK_LAYERS))
+        raise ValueError(f"no target {model!r}")
+
+    def draft(self, case: Case) -> Path | None:
+        if case.algorithm is None:
+            return None
+        ids = list(case.aux_ids)
+        name = f"{case.model}-{case.algorithm.lower()}-{case.draft}"
+        if case.algorithm == "EAGLE3":
+            return self._once(name, lambda p: checkpoints.make_eagle3(p, ids, exact=case.draft == "exact"))
+        layers = self.target(case.model).layers
+        return self._once(name, lambda p: checkpoints.make_dflash(p, ids, layers, exact=case.draft == "exact",
+                                                                  block_size=case.draft_tokens))
+
+    def config(self, case: Case) -> EngineConfig:
+        draft = self.draft(case)
+        return EngineConfig(
+            key=case.key, model=case.model, target=str(self.target(case.model).path),
+            draft=str(draft) if draft else None, algorithm=case.algorithm, topk=case.topk,
+            num_steps=case.steps, num_draft_tokens=case.draft_tokens, extra=(("dtype", case.dtype),),
+        )
+
+
+@dataclass
+class Run:
+    case: Case
+    singles: list[dict[str, Any]] = field(default_factory=list)   # one output per prompt
+    batch: list[dict[str, Any]] = field(default_factory=list)     # the batched outputs, in order
+    events: list[dict[str, Any]] = field(default_factory=list)    # the probe's records
+
+    def ids(self, how: str) -> list[list[int]]:
+        return [o["output_ids"] for o in (self.singles if how == "single" else self.batch)]
+
+
+class Runs:
+    """Each configuration run once (its failure kept and raised again for its tests)."""
+
+    def __init__(self, session: Session, ckpts: Checkpoints) -> None:
+        self.session = session
+        self.ckpts = ckpts
+        self._runs: dict[str, Run | EngineError] = {}
+
+    def get(self, key: str) -> Run:
+        if key not in self._runs:
+            self._runs[key] = self._run(CASES[key])
+        got = self._runs[key]
+        if isinstance(got, EngineError):
+            raise got
+        return got
+
+    def _run(self, case: Case) -> Run | EngineError:
+        record = self.ckpts.root / f"{case.key}.probe.jsonl"
+        record.unlink(missing_ok=True)
+        try:
+            self.session.ensure(self.ckpts.config(case), probe=record)
+            run = Run(case)
+            for prompt in PROMPTS:
+                run.singles += self.session.generate(tokenizer.text(list(prompt)), SAMPLING)
+            run.batch = self.session.generate([tokenizer.text(list(p)) for p in PROMPTS], SAMPLING)
+        except EngineError as exc:
+            return exc
+        run.events = probe.read(str(record))
+        return run
+
+
+def platform_refusal(error: EngineError) -> str | None:
+    """The reason when SGLang itself refuses the configuration on this device (its
+    platform gate, before any process starts), else None. SGLang 0.5.23's
+    ``srt/arg_groups/speculative_hook.py`` ``_handle_dflash`` accepts DFLASH only on cuda,
+    npu and xpu (or an out-of-tree platform that declares it): "DFLASH speculative
+    decoding is not supported by CpuSRTPlatform on device 'cpu'"."""
+    text = str(error)
+    marker = "speculative decoding is not supported by "
+    if marker not in text or "on device 'cpu'" not in text:
+        return None
+    line = next(ln for ln in text.splitlines() if marker in ln)
+    return line[line.index("ValueError: ") + len("ValueError: "):] if "ValueError: " in line else line
+
+
+def accept_length(meta: dict[str, Any]) -> float:
+    """1 + accepted draft tokens per verify round, from a request's ``meta_info``."""
+    rounds = int(meta.get("spec_verify_ct", 0))
+    accepted = int(meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts", 0)))
+    return 1.0 + accepted / rounds if rounds else 0.0

@@ -1,0 +1,234 @@
+"""The Engine driver process: ``python -m harness.e2e.driver --cmd-fd R --resp-fd W``.
+
+It hosts one ``sglang.Engine`` at a time, for the parent (``harness.e2e.engine``),
+which sends one JSON command a line on fd R and reads one JSON answer a line on fd W
+(stdout and stderr are the log the parent shows on failure):
+
+- ``{"op": "start", "name": ..., "args": {Engine kwargs}, "probe": path | null}``
+- ``{"op": "generate", "prompt": str | [str], "sampling": {...}}`` -> ``outputs``
+- ``{"op": "stop"}``: the Engine's own ``shutdown()``; ``{"op": "exit"}``.
+
+The Engine runs here, not in the pytest process: a scheduler that fails sends SIGQUIT
+to its parent, whose handler kills its whole process tree (``kill_process_tree``).
+
+**Start method.** SGLang starts its scheduler and detokenizer with ``spawn``: each is a
+fresh interpreter that imports SGLang again (about 25 s of CPU each here). With
+``HARNESS_E2E_START=forkserver`` (the default) the driver makes them fork from a
+multiprocessing forkserver that imported SGLang's scheduler and model modules once per
+driver: ``sglang.srt.entrypoints.engine.mp`` is given a forkserver context, and the
+Engine's ``set_start_method("spawn", force=True)`` leaves it so. Each child gets the
+driver's environment as of ``Process.start()`` (as a spawned child does; a forked one
+would otherwise keep the forkserver's). ``shutdown()`` kills the Engine's processes but
+spares the forkserver (``kill_process_tree(..., skip_pid=<forkserver>)``), so the next
+Engine of the session reuses it. ``HARNESS_E2E_START=spawn`` runs SGLang's own spawn.
+
+Both ways every child is in the CPU engine mode through ``sitecustomize``
+(``harness.standins.cpu_engine``), which the parent puts on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing
+import multiprocessing.context
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+START_ENV = "HARNESS_E2E_START"
+# Imported once by the forkserver: what a scheduler/detokenizer would import after spawn.
+PRELOAD = [
+    "harness.e2e.preload",
+]
+
+
+def _start_method() -> str:
+    method = os.environ.get(START_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise SystemExit(f"{START_ENV} must be forkserver or spawn, got {method!r}")
+    return method
+
+
+class _EnvProcess(multiprocessing.Process):
+    """A Process that runs with the environment its parent had at ``start()``, and with
+    the probe installed when ``HARNESS_E2E_PROBE`` is set there."""
+
+    def start(self) -> None:
+        self._harness_env = dict(os.environ)
+        super().start()
+
+    def run(self) -> None:
+        env = getattr(self, "_harness_env", None)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        from harness.e2e import probe
+
+        probe.install_from_env()
+        super().run()
+
+
+class _ForkserverProcess(_EnvProcess):
+    _start_method = "forkserver"
+
+    @staticmethod
+    def _Popen(process_obj):
+        return multiprocessing.context.ForkServerProcess._Popen(process_obj)
+
+
+class _SpawnProcess(_EnvProcess):
+    _start_method = "spawn"
+
+    @staticmethod
+    def _Popen(process_obj):
+        return multiprocessing.context.SpawnProcess._Popen(process_obj)
+
+
+class _Multiprocessing:
+    """``multiprocessing`` as SGLang's engine module sees it: processes of ``method``."""
+
+    def __init__(self, method: str) -> None:
+        self.Process = _ForkserverProcess if method == "forkserver" else _SpawnProcess
+
+    def set_start_method(self, method: str | None, force: bool = False) -> None:
+        """Kept to the driver's method (the Engine asks for spawn)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(multiprocessing, name)
+
+
+def _forkserver_pid() -> int | None:
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+class Driver:
+    def __init__(self) -> None:
+        self.method = _start_method()
+        if self.method == "forkserver":
+            multiprocessing.set_forkserver_preload(PRELOAD)
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()  # imports SGLang there while this process does
+        import sglang
+        import sglang.srt.entrypoints.engine as engine_module
+
+        self.sgl = sglang
+        self.engine_module = engine_module
+        self.engine = None
+        self.name = None
+        engine_module.mp = _Multiprocessing(self.method)
+        if self.method == "forkserver":
+            original = engine_module.kill_process_tree
+
+            @functools.wraps(original)
+            def kill_process_tree(parent_pid, include_parent=True, skip_pid=None, wait_timeout=None):
+                if skip_pid is None:
+                    skip_pid = _forkserver_pid()
+                return original(parent_pid, include_parent=include_parent, skip_pid=skip_pid,
+                                wait_timeout=wait_timeout)
+
+            engine_module.kill_process_tree = kill_process_tree
+
+    def start(self, name: str, args: dict[str, Any], probe: str | None) -> dict[str, Any]:
+        if self.engine is not None:
+            self.stop()
+        if probe:
+            os.environ["HARNESS_E2E_PROBE"] = probe
+        else:
+            os.environ.pop("HARNESS_E2E_PROBE", None)
+        t0 = time.monotonic()
+        print(f"[harness.e2e.driver] starting engine {name}", file=sys.stderr, flush=True)
+        self.engine = self.sgl.Engine(**args)
+        self.name = name
+        return {"start_s": round(time.monotonic() - t0, 2)}
+
+    def generate(self, prompt: Any, sampling: dict[str, Any]) -> dict[str, Any]:
+        if self.engine is None:
+            raise RuntimeError("no engine is running")
+        t0 = time.monotonic()
+        out = self.engine.generate(prompt=prompt, sampling_params=sampling)
+        outs = out if isinstance(out, list) else [out]
+        keep = []
+        for o in outs:
+            meta = {k: v for k, v in o.get("meta_info", {}).items()
+                    if k.startswith("spec_") or k in ("completion_tokens", "prompt_tokens", "finish_reason")}
+            keep.append({"output_ids": list(o.get("output_ids") or []), "text": o.get("text"), "meta": meta})
+        return {"outputs": keep, "generate_s": round(time.monotonic() - t0, 2)}
+
+    def abandon(self) -> None:
+        """After a failed command: shut the engine down, and kill whatever a failed start
+        left (the forkserver excepted)."""
+        try:
+            self.stop()
+        except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
+            self.engine = None
+        self.engine_module.kill_process_tree(os.getpid(), include_parent=False)
+
+    def stop(self) -> dict[str, Any]:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+        return {}
+
+
+def _serve(cmd_fd: int, resp_fd: int) -> int:
+    cmds = os.fdopen(cmd_fd, "r")
+    resp = os.fdopen(resp_fd, "w")
+
+    def answer(record: dict[str, Any]) -> None:
+        resp.write(json.dumps(record, default=str) + "\n")
+        resp.flush()
+
+    try:
+        driver = Driver()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+        answer({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        return 1
+    answer({"ok": True, "ready": True, "method": driver.method})
+    for line in cmds:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "start":
+                result = driver.start(cmd["name"], cmd["args"], cmd.get("probe"))
+            elif op == "generate":
+                result = driver.generate(cmd["prompt"], cmd["sampling"])
+            elif op == "stop":
+                result = driver.stop()
+            elif op == "exit":
+                driver.stop()
+                answer({"ok": True})
+                return 0
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except Exception as exc:  # noqa: BLE001 - the parent reports it with the log tail
+            detail = traceback.format_exc()
+            driver.abandon()
+            answer({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": detail})
+            continue
+        answer({"ok": True, **result})
+    driver.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.e2e.driver")
+    p.add_argument("--cmd-fd", type=int, required=True)
+    p.add_argument("--resp-fd", type=int, required=True)
+    a = p.parse_args(argv)
+    from harness.standins.cpu_engine import install
+
+    install()  # already done by sitecustomize when HARNESS_CPU_ENGINE=1
+    return _serve(a.cmd_fd, a.resp_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

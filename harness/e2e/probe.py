@@ -1,0 +1,139 @@
+"""What reaches the draft, recorded inside the Engine's scheduler process.
+
+``install(path)`` (called in the scheduler process when ``HARNESS_E2E_PROBE`` names a
+file) appends one JSON line per event to ``path``:
+
+- ``{"event": "set_layers", "setter": ..., "model": ..., "layer_ids": [...],
+  "layers_to_capture": [...]}``: each call of the real
+  ``set_eagle3_layers_to_capture`` / ``set_dflash_layers_to_capture`` (``model_runner``
+  calls them) on a model class of the target, and what it left in
+  ``model.layers_to_capture``;
+- ``{"event": "aux", "k": K, "hidden": H, "tokens": T}``: every ``LogitsProcessor``
+  call that received aux hidden states (list or packed): how many captures, of what width;
+- ``{"event": "fc", "model": ..., "in": W, "expected": E}``: every input to the draft's
+  ``fc`` (EAGLE3 ``LlamaForCausalLMEagle3``, ``DFlashDraftModel``), its width against
+  the width the layer takes.
+
+The wrappers only record, then call SGLang's own code with the same arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+ENV = "HARNESS_E2E_PROBE"
+_LOCK = threading.Lock()
+_PATH: list[str] = []
+SETTER_MODULES = (
+    "sglang.srt.models.llama",
+    "sglang.srt.models.deepseek_v2",
+    "sglang.srt.models.qwen3_moe",
+    "sglang.srt.models.gpt_oss",
+)
+DRAFTS = {
+    "sglang.srt.models.llama_eagle3": "LlamaModel",
+    "sglang.srt.models.dflash": "DFlashDraftModel",
+}
+
+
+def _write(record: dict[str, Any]) -> None:
+    with _LOCK:
+        with open(_PATH[0], "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _wrap_setters(module) -> None:
+    for cls in list(vars(module).values()):
+        if not isinstance(cls, type) or cls.__module__ != module.__name__:
+            continue
+        for setter in ("set_eagle3_layers_to_capture", "set_dflash_layers_to_capture"):
+            original = cls.__dict__.get(setter)
+            if original is None or getattr(original, "__harness_probe__", False):
+                continue
+
+            def wrapper(self, *args, __original=original, __setter=setter, **kwargs):
+                result = __original(self, *args, **kwargs)
+                processor = getattr(self, "logits_processor", None)
+                if processor is not None:
+                    processor.__harness_target__ = True
+                inner = getattr(self, "model", self)
+                ids = args[0] if args else kwargs.get("layer_ids")
+                _write({"event": "set_layers", "setter": __setter, "model": type(self).__name__,
+                        "layer_ids": None if ids is None else list(ids),
+                        "layers_to_capture": list(getattr(inner, "layers_to_capture", []) or [])})
+                return result
+
+            wrapper.__harness_probe__ = True
+            setattr(cls, setter, wrapper)
+
+
+def _wrap_logits_processor(module) -> None:
+    cls = module.LogitsProcessor
+    original = cls.forward
+
+    def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None,
+                *args, **kwargs):
+        if aux_hidden_states is not None:
+            hidden = int(hidden_states.shape[-1])
+            if isinstance(aux_hidden_states, (list, tuple)):
+                k = len(aux_hidden_states)
+                tokens = int(aux_hidden_states[0].shape[0]) if k else 0
+            else:
+                k = int(aux_hidden_states.shape[-1]) // hidden if hidden else 0
+                tokens = int(aux_hidden_states.shape[0])
+            _write({"event": "aux", "target": bool(getattr(self, "__harness_target__", False)),
+                    "k": k, "hidden": hidden, "tokens": tokens})
+        return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states,
+                        *args, **kwargs)
+
+    cls.forward = forward
+
+
+def _wrap_draft(module, class_name: str) -> None:
+    cls = getattr(module, class_name)
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        fc = getattr(self, "fc", None)
+        if fc is None:
+            return
+        expected = int(getattr(fc, "in_features", getattr(fc, "input_size", 0)))
+        model = f"{module.__name__.rsplit('.', 1)[-1]}.{class_name}"
+
+        def record(_module, inputs):
+            _write({"event": "fc", "model": model, "in": int(inputs[0].shape[-1]), "expected": expected})
+
+        fc.register_forward_pre_hook(record)
+
+    cls.__init__ = __init__
+
+
+def install(path: str) -> None:
+    """Record to ``path`` from now on, in this process (idempotent)."""
+    from harness.standins.cpu_engine.hooks import when_imported
+
+    if _PATH:
+        return
+    _PATH.append(path)
+    for name in SETTER_MODULES:
+        when_imported(name, _wrap_setters)
+    when_imported("sglang.srt.layers.logits_processor", _wrap_logits_processor)
+    for name, cls in DRAFTS.items():
+        when_imported(name, lambda module, cls=cls: _wrap_draft(module, cls))
+
+
+def install_from_env() -> None:
+    path = os.environ.get(ENV)
+    if path:
+        install(path)
+
+
+def read(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
