@@ -40,11 +40,31 @@ def _module(root: Any, path: str) -> Any:
     return root
 
 
+def _no_hub_kernels() -> None:
+    """transformers' own torch paths, never a kernel fetched from the Hub.
+
+    With the ``kernels`` package installed (it is in both locks), some modeling files
+    (the Mamba2 mixers of granitemoehybrid and other hybrids) call ``lazy_load_kernel``
+    while the model is built. Offline that stalls for minutes and then raises (5.8.1:
+    "could not verify publisher trust status"). ``USE_HUB_KERNELS=0`` turns it off where
+    transformers reads it; 5.8.1's ``lazy_load_kernel`` reads only ``_kernels_available``.
+    """
+    import os
+
+    os.environ["USE_HUB_KERNELS"] = "0"
+    from transformers.integrations import hub_kernels
+
+    for flag in ("_kernels_enabled", "_kernels_available"):
+        if getattr(hub_kernels, flag, False):
+            setattr(hub_kernels, flag, False)
+
+
 def hf_model(family: Family, seed: int = 0):
     """A fresh transformers model of ``family`` with seeded random weights (float32)."""
     import torch
     import transformers
 
+    _no_hub_kernels()
     config_cls = getattr(transformers, family.hf_config_class)
     model_cls = getattr(transformers, family.hf_model_class)
     config = config_cls(**family.config())

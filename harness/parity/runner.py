@@ -41,12 +41,15 @@ INIT_FN = "harness.parity.runner:init"
 def init(rank: int, world_size: int, **kwargs: Any):
     """Rank pool init hook: SGLang's CPU engine mode, then its distributed state."""
     os.environ.update(ENV)
-    try:
-        from harness.standins.cpu_engine import install
-    except ImportError:  # pragma: no cover - the pin needs nothing more than the env
-        install = None
-    if install is not None:
-        install()
+    from harness.standins.cpu_engine import install
+    from harness.standins.cpu_kernels import qwen3_5 as qwen3_5_ops
+
+    install()
+    # Ops a model module binds at import (0.5.23's qwen3_5.py): SGLang's model registry
+    # imports every model module at the first load of any family and leaves out, for the
+    # process's lifetime, a module whose import failed; a family's setup hook runs too
+    # late for them.
+    qwen3_5_ops.install()
     from harness.ranks.sglang import init_sglang_distributed
 
     return init_sglang_distributed(rank, world_size, **kwargs)
@@ -267,14 +270,14 @@ def _forward_context(backend):
 # ------------------------------------------------------------------ running
 
 
-def _logits_processor(model):
-    lp = getattr(model, "logits_processor", None)
-    if lp is None:  # a wrapper keeps its language model's
-        for sub in model.modules():
-            if type(sub).__name__ == "LogitsProcessor":
-                return sub
+def _logits_processors(model) -> list:
+    """Every LogitsProcessor under ``model``: a wrapper may keep its language model's, or
+    hold one of its own that its forward never calls (mllama4's
+    ``Llama4ForConditionalGeneration`` runs ``language_model``'s)."""
+    lps = [sub for sub in model.modules() if type(sub).__name__ == "LogitsProcessor"]
+    if not lps:
         raise RuntimeError(f"{type(model).__name__} has no LogitsProcessor")
-    return lp
+    return lps
 
 
 def forward(model, model_config, prompts, tp: int, attention: str = "torch_native") -> dict[str, Any]:
@@ -283,8 +286,8 @@ def forward(model, model_config, prompts, tp: int, attention: str = "torch_nativ
     for every token, what the draft model receives)."""
     import torch
 
-    lp = _logits_processor(model)
-    sig = inspect.signature(type(lp).forward)
+    lps = _logits_processors(model)
+    sig = inspect.signature(type(lps[0]).forward)
     seen: dict[str, Any] = {}
 
     def hook(module, args, kwargs):
@@ -298,13 +301,14 @@ def forward(model, model_config, prompts, tp: int, attention: str = "torch_nativ
         else:
             seen["num_aux"] = len(aux)
 
-    handle = lp.register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [lp.register_forward_pre_hook(hook, with_kwargs=True) for lp in lps]
     try:
         input_ids, positions, fb, backend = extend_batch(model_config, prompts, tp, attention)
         with torch.no_grad(), _forward_context(backend):
             out = model(input_ids, positions, fb)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if "final" not in seen:
         raise RuntimeError("the logits processor never ran")
     aux = getattr(out, "hidden_states", None)

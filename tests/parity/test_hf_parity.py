@@ -124,10 +124,24 @@ def _params(kind: str):
         if (kind == "final") != (set_name == "none"):
             continue
         marks = [pytest.mark.multirank, pytest.mark.world_size(tp)]
-        patches = sorted({p for p in (_patch_for(fam, b)
-                                      for b in case_bugs(fam, kind, tp, set_name, fusion)) if p})
-        marks += [pytest.mark.guards(p) for p in patches]
+        known = _known_failure(fam, tp)
+        if known:
+            marks.append(pytest.mark.xfail(strict=True, reason=known))
+        else:
+            patches = sorted({p for p in (_patch_for(fam, b)
+                                          for b in case_bugs(fam, kind, tp, set_name, fusion)) if p})
+            marks += [pytest.mark.guards(p) for p in patches]
         yield pytest.param(name, tp, set_name, fusion, id=case_id, marks=marks)
+
+
+def _known_failure(fam, tp: int) -> str:
+    """The reason when SGLang at the active base is known to disagree with transformers
+    on this family at this TP for a bug outside the captures (``Family.known_failures``:
+    ``"<base>:tp<N>"``, else ``"<base>"``)."""
+    from harness.patchset.layout import layout
+
+    label = layout().label
+    return fam.known_failures.get(f"{label}:tp{tp}", fam.known_failures.get(label, ""))
 
 
 # ------------------------------------------------------------------ fixtures

@@ -88,6 +88,11 @@ class Family:
     atol: float = 2e-4
     rtol: float = 2e-4
     note: str = ""
+    # "<base label>" or "<base label>:tp<N>" -> why SGLang disagrees with transformers
+    # there, for a genuine SGLang bug outside the captures that no patch of that base's
+    # series fixes: those cases are strict expected failures (an XPASS fails: the bug is
+    # gone, drop the entry) and guard nothing. docs/MODELS.md lists each.
+    known_failures: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def fusions(self, tp: int) -> tuple:
         return ("off", "flashinfer") if self.defers and tp > 1 else ("off",)
