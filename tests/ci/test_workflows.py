@@ -102,8 +102,8 @@ def test_run_gpu_tests_without_gpu_says_so(tmp_path: Path) -> None:
 
 def test_ci_run_gates_the_series_lint_before_the_tests() -> None:
     steps = re.findall(r"^make ([a-z-]+.*)$", (ROOT / ".ci" / "run").read_text(), re.M)
-    assert steps == ["apply-patches", "check-patches", "test", "check-patches BASE=0.5.23",
-                     "test BASE=0.5.23", "pr-export", "docker-test"]
+    assert steps == ["apply-patches", "check-patches", "test", "e2e", "check-patches BASE=0.5.23",
+                     "test BASE=0.5.23", "e2e BASE=0.5.23", "pr-export", "docker-test"]
 
 
 @pytest.mark.parametrize("target", ["test", "ablation", "bench", "wheel"])
