@@ -214,6 +214,9 @@ def rank_pool():
                 pytest.skip(f"backend nccl needs {world_size} GPUs, {n} visible")
         if init_fn == SGLANG_INIT:
             pool_kwargs.setdefault("preload", SGLANG_PRELOAD)
+        # Every pool of the session starts at once, each rank importing SGLang: on 2 busy
+        # cores the TP 4 pool's start took over 600 s (the pool's default) once.
+        pool_kwargs.setdefault("start_timeout", 900)
         return get_pool(world_size, backend, init_fn, **pool_kwargs)
 
     yield make
