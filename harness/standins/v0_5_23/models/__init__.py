@@ -112,11 +112,12 @@ def layer_output(out, forward_batch: Optional[Any] = None):
     return residual_batch.snapshot(h, fb)
 
 
-def run_plain(model, input_ids, positions, forward_batch):
-    """``model(input_ids, positions, forward_batch)`` with the batch held for
-    :func:`layer_output`."""
+def run_plain(model, input_ids, positions, forward_batch, **inputs):
+    """``model(input_ids, positions, forward_batch, **inputs)`` with the batch held for
+    :func:`layer_output` (``inputs``: extra forward arguments, e.g.
+    ``input_deepstack_embeds``)."""
     with running(forward_batch):
-        return model(input_ids, positions, forward_batch)
+        return model(input_ids, positions, forward_batch, **inputs)
 
 
 def run_scattered(model, input_ids, positions, forward_batch):
