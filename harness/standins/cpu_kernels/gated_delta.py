@@ -70,7 +70,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-from typing import Any, Optional
+from typing import Optional
 
 CHUNK_SIZE = 64
 
@@ -378,26 +378,13 @@ def fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, initia
 
 # ------------------------------------------------------------------ installing
 
-_LIB: Any = None
-
-
 def register_ops() -> list[str]:
     """Register every op of :data:`SCHEMAS` that ``torch.ops.sgl_kernel`` lacks (CPU
     dispatch key); returns the names registered. Idempotent."""
-    global _LIB
-    import torch
+    from harness.standins.cpu_kernels import register_ops as register
 
-    if _LIB is None:
-        _LIB = torch.library.Library("sgl_kernel", "FRAGMENT")
-    done = []
     this = sys.modules[__name__]
-    for name, schema in SCHEMAS.items():
-        if hasattr(torch.ops.sgl_kernel, name):
-            continue
-        _LIB.define(schema)
-        _LIB.impl(name, getattr(this, FUNCTIONS[name]), "CPU")
-        done.append(name)
-    return done
+    return register(SCHEMAS, {name: getattr(this, FUNCTIONS[name]) for name in SCHEMAS})
 
 
 def _real_mamba_wrappers() -> Optional[str]:

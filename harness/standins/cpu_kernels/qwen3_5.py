@@ -38,7 +38,6 @@ Stdlib-only at import time.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 SCHEMAS: dict[str, str] = {
     "fused_sigmoid_mul_cpu": "fused_sigmoid_mul_cpu(Tensor(a!) input, Tensor gate) -> ()",
@@ -138,23 +137,10 @@ def fused_qkvzba_split_reshape_cat_contiguous(mixed_qkvz, mixed_ba, num_heads_qk
     return mixed_qkv, z, b, a
 
 
-_LIB: Any = None
-
-
 def install() -> list[str]:
     """Register every op of :data:`SCHEMAS` that ``torch.ops.sgl_kernel`` lacks (CPU
     dispatch key); returns the names registered. Idempotent."""
-    global _LIB
-    import torch
+    from harness.standins.cpu_kernels import register_ops as register
 
-    if _LIB is None:
-        _LIB = torch.library.Library("sgl_kernel", "FRAGMENT")
-    done = []
     this = sys.modules[__name__]
-    for name, schema in SCHEMAS.items():
-        if hasattr(torch.ops.sgl_kernel, name):
-            continue
-        _LIB.define(schema)
-        _LIB.impl(name, getattr(this, FUNCTIONS[name]), "CPU")
-        done.append(name)
-    return done
+    return register(SCHEMAS, {name: getattr(this, FUNCTIONS[name]) for name in SCHEMAS})
