@@ -32,6 +32,7 @@ import argparse
 import json
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -374,21 +375,24 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
             if deps:
                 git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest / "deps"), f"{tag}..pr-base")
             stat = git(repo, "diff", "--stat", "pr-base..HEAD").stdout.rstrip()
-            # Verify on a fresh pristine tree, as a reviewer would: apply --check, then
-            # the test without the patch (must fail) and with it (must pass).
-            check = _pristine_clone(lay.tree, tag, Path(tmp) / "check")
-            for d in sorted((dest / "deps").glob("*.patch")) if deps else []:
-                git(check, "am", "--keep-cr", "--no-3way", str(d))
-            applied = git(check, "apply", "--check", *map(str, pf), check=False)
+            # Verify on fresh pristine trees, as a reviewer would: apply --check, then
+            # the test without the patch (must fail) and with it (must pass). The two
+            # runs are independent (each imports SGLang in its own interpreter), so they
+            # go side by side on two trees.
+            without_tree, with_tree = (_pristine_clone(lay.tree, tag, Path(tmp) / name)
+                                       for name in ("without", "with"))
+            for tree in (without_tree, with_tree):
+                for d in sorted((dest / "deps").glob("*.patch")) if deps else []:
+                    git(tree, "am", "--keep-cr", "--no-3way", str(d))
+            applied = git(with_tree, "apply", "--check", *map(str, pf), check=False)
             if applied.returncode != 0:
                 raise HarnessError(f"{p.id}: bundle patch {pf[0].name} does not apply to pristine {release}: "
                                    + (applied.stderr.strip().splitlines() or ["git apply --check failed"])[0])
-            (check / test_path).parent.mkdir(parents=True, exist_ok=True)
-            (check / test_path).write_text(test_src)
-            without = _run_test(check, test_path)
-            (check / test_path).unlink()
-            git(check, "apply", *map(str, pf))
-            with_patch = _run_test(check, test_path)
+            git(with_tree, "apply", *map(str, pf))  # adds the test too
+            (without_tree / test_path).parent.mkdir(parents=True, exist_ok=True)
+            (without_tree / test_path).write_text(test_src)
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                without, with_patch = pool.map(lambda t: _run_test(t, test_path), (without_tree, with_tree))
         if without["rc"] == 0:
             raise HarnessError(f"{p.id}: {test_path} passes on pristine {release} without {p.name}: "
                                "it does not test the bug")
