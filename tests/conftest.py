@@ -56,13 +56,20 @@ def pytest_configure(config):
     )
 
 
-# Tests that import SGLang. They all run in one xdist worker, so SGLang is imported
-# once there (17 s of CPU per import on these machines) while the other worker takes
-# the tooling tests; in-process tests first, then the multirank ones, whose pools that
-# worker starts at its first SGLang test so the ranks import meanwhile.
+# Tests that import SGLang. Those of the "sglang" group run in one xdist worker, so
+# SGLang is imported once there (17 s of CPU per import on these machines) while the
+# other worker takes the parity tier; in-process tests first, then the multirank ones,
+# whose pools that worker starts at its first group test so the ranks import meanwhile.
 SGLANG_PATHS = ("tests/patches/", "tests/multirank/", "tests/memory/", "tests/ranks/test_sglang_dist.py",
                 "tests/standins/")
 SGLANG_GROUP = "sglang"
+# In-process SGLang tests that need no rank pool and no order among themselves: the
+# stand-ins' checks (several against SGLang's own kernels in a fresh interpreter) and
+# the fullgraph traces, over a third of the suite's CPU. Each is its own xdist unit,
+# scheduled after both groups, so whichever worker is free takes it (the parity worker
+# too, once the tier is done). Without this the "sglang" worker ran 11 min on 0.5.23
+# while the parity one idled for 7 of them.
+SGLANG_SHARED = ("tests/standins/", "tests/patches/test_model_forward.py::test_forward_traces_fullgraph")
 _WORLD_SIZES: set = set()
 # The HF parity tier runs SGLang only in rank processes of its own (CPU engine mode, see
 # harness/parity/runner.py), driven from one worker: its own group, scheduled second so
@@ -74,6 +81,10 @@ PARITY_GROUP = "parity"
 def _needs_sglang(item) -> bool:
     rel = item.nodeid.split("::", 1)[0]
     return rel.startswith(SGLANG_PATHS)
+
+
+def _in_sglang_group(item) -> bool:
+    return _needs_sglang(item) and not item.nodeid.startswith(SGLANG_SHARED)
 
 
 def _is_parity(item) -> bool:
@@ -89,7 +100,7 @@ def _is_e2e(item) -> bool:
 
 def pytest_itemcollected(item):
     # Here, not in pytest_collection_modifyitems: xdist's worker reads the group there.
-    if _needs_sglang(item):
+    if _in_sglang_group(item):
         item.add_marker(pytest.mark.xdist_group(SGLANG_GROUP))
     elif _is_e2e(item):
         # One worker runs them all: its driver keeps one Engine per configuration.
@@ -107,10 +118,11 @@ def pytest_collection_modifyitems(config, items):
         if _needs_sglang(item):
             for m in item.iter_markers("world_size"):
                 _WORLD_SIZES.add(int(m.args[0]))
-    # Stable: in-process SGLang tests, then multirank ones, then the parity tier, then
-    # everything else as is.
-    items.sort(key=lambda it: (0 if _needs_sglang(it) and not it.get_closest_marker("world_size")
-                               else 1 if _needs_sglang(it) else 2 if _is_parity(it) else 3))
+    # Stable: in-process SGLang tests, then multirank ones, then the parity tier, then the
+    # shared SGLang tests, then everything else as is.
+    items.sort(key=lambda it: (0 if _in_sglang_group(it) and not it.get_closest_marker("world_size")
+                               else 1 if _in_sglang_group(it) else 2 if _is_parity(it)
+                               else 3 if _needs_sglang(it) else 4))
 
 
 def active_base() -> tuple[bool, str]:
@@ -170,7 +182,7 @@ _PRESTARTED: list = []
 def _prestart_rank_pools(request):
     """At this worker's first SGLang test, start (without waiting) the SGLang rank pools
     its selected multirank tests need; they import SGLang while in-process tests run."""
-    if _PRESTARTED or not _needs_sglang(request.node) or not _WORLD_SIZES:
+    if _PRESTARTED or not _in_sglang_group(request.node) or not _WORLD_SIZES:
         yield
         return
     _PRESTARTED.append(True)
