@@ -36,6 +36,8 @@ from typing import Any, Optional, Sequence
 # What a rank of a parity pool needs before anything imports SGLang.
 ENV = {"SGLANG_USE_CPU_ENGINE": "1", "TRITON_INTERPRET": "1"}
 INIT_FN = "harness.parity.runner:init"
+# What the parity pools' forkserver imports once (the mode first): see harness/parity/preload.py.
+PRELOAD = ("harness.parity.preload",)
 
 
 def init(rank: int, world_size: int, **kwargs: Any):

@@ -141,6 +141,8 @@ class RankPool:
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             # Takes effect when this process starts its forkserver (its first such pool).
+            global _FORKSERVER_PRELOAD
+            _FORKSERVER_PRELOAD = tuple(preload)
             ctx.set_forkserver_preload(list(preload))
         self._ranks: list[_Rank] = []
         self._t0 = t0 = time.monotonic()
@@ -427,10 +429,18 @@ class RankPool:
         self._kill_all()  # also reaps process groups (descendants of ranks)
 
 
+# What this process's forkserver imports (its first forkserver pool's ``preload``).
+# multiprocessing keeps one forkserver per process: a pool that wants other modules
+# preloaded (another mode of SGLang, e.g. the parity tier's CPU engine) spawns instead.
+_FORKSERVER_PRELOAD: tuple[str, ...] | None = None
+
+
 def start_method(backend: str, preload: tuple[str, ...]) -> str:
-    """``forkserver`` for CPU ranks with something to preload, else ``spawn``."""
+    """``forkserver`` for CPU ranks with something to preload (the same as this process's
+    forkserver, if it has one), else ``spawn``."""
     if preload and backend == "gloo" and not os.path.exists("/dev/nvidiactl"):
-        return "forkserver"
+        if _FORKSERVER_PRELOAD in (None, tuple(preload)):
+            return "forkserver"
     return "spawn"
 
 

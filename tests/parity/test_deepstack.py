@@ -20,7 +20,7 @@ import pytest
 
 from harness.parity import deepstack, reference
 from harness.parity.families import families
-from harness.parity.runner import ENV, INIT_FN
+from harness.parity.runner import ENV, INIT_FN, PRELOAD
 
 pytestmark = [pytest.mark.bases("0.5.13.post1", "0.5.23"), pytest.mark.parity]
 
@@ -67,17 +67,18 @@ _RUNS: dict = {}
 
 def _pool(rank_pool, tp: int, wait: bool = True):
     return rank_pool(tp, backend="gloo", init_fn=INIT_FN, env=dict(ENV), timeout=1200,
-                     start_timeout=900, wait=wait)
+                     start_timeout=900, wait=wait, preload=PRELOAD)
 
 
 @pytest.fixture(scope="module")
-def deepstack_refs(rank_pool, tmp_path_factory):
-    for tp in TPS:
+def deepstack_refs(selected_cases, rank_pool, tmp_path_factory):
+    wanted = selected_cases("test_deepstack.py")
+    for tp in sorted(set().union(*wanted.values())):
         _pool(rank_pool, tp, wait=False)
     root = tmp_path_factory.mktemp("deepstack")
     out = {}
     for name in FAMILIES:
-        if name not in families() or not _active(families()[name]):
+        if name not in families() or not _active(families()[name]) or name not in wanted:
             continue
         fam = _family(name)
         model = reference.make_checkpoint(fam, root / name)

@@ -31,7 +31,7 @@ import torch
 
 from harness.parity import reference
 from harness.parity.families import BOTH_BASES, families
-from harness.parity.runner import ENV, INIT_FN
+from harness.parity.runner import ENV, INIT_FN, PRELOAD
 
 pytestmark = [pytest.mark.bases(*BOTH_BASES), pytest.mark.parity]
 
@@ -150,26 +150,29 @@ _RUNS: dict = {}
 
 
 def _pool(rank_pool, tp: int, wait: bool = True):
-    """The warm parity pool of ``tp`` ranks: spawned in SGLang's CPU engine mode."""
+    """The warm parity pool of ``tp`` ranks, in SGLang's CPU engine mode: forked from a
+    forkserver that imported SGLang once in that mode (:mod:`harness.parity.preload`)."""
     return rank_pool(tp, backend="gloo", init_fn=INIT_FN, env=dict(ENV), timeout=1200,
-                     start_timeout=900, wait=wait)
+                     start_timeout=900, wait=wait, preload=PRELOAD)
 
 
 @pytest.fixture(scope="module")
-def references(rank_pool, tmp_path_factory):
-    """Per active family: its checkpoint directory, prompts and transformers' outputs.
+def references(selected_cases, rank_pool, tmp_path_factory):
+    """Per selected active family: its checkpoint directory, prompts and transformers'
+    outputs.
 
-    The rank pools start first (each rank imports SGLang meanwhile)."""
-    for tp in TPS:
+    The rank pools of the selected TPs start first (each rank imports SGLang meanwhile)."""
+    wanted = selected_cases("test_hf_parity.py")
+    for tp in sorted(set().union(*wanted.values())):
         _pool(rank_pool, tp, wait=False)
     root = tmp_path_factory.mktemp("parity")
     out = {}
     for name, fam in sorted(families().items()):
-        if not _active(fam):
+        if not _active(fam) or name not in wanted:
             continue
         model = reference.make_checkpoint(fam, root / name)
         prompts = reference.prompts(fam.config()["vocab_size"])
-        out[name] = dict(checkpoint=str(root / name), prompts=prompts,
+        out[name] = dict(checkpoint=str(root / name), prompts=prompts, tps=wanted[name],
                          ref=reference.reference(fam, model, prompts))
         del model
     return out
@@ -181,7 +184,7 @@ def _run(rank_pool, references, tp: int) -> dict:
     if tp not in _RUNS:
         keys, cases = [], []
         for name, fam in sorted(families().items()):
-            if name not in references or tp not in fam.tps:
+            if name not in references or tp not in fam.tps or tp not in references[name]["tps"]:
                 continue
             # transformers' own count of decoder layers (its hidden_states), which the
             # tests use too: LongCat's config counts two attentions per layer.
