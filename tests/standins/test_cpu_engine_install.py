@@ -252,23 +252,30 @@ def test_torch_no_ops_and_a_child_started_with_child_env():
     assert out == {"installed": True, "cpu": "1", "interp": "1"}
 
 
-def test_install_in_a_fresh_process_fills_this_bases_gaps():
+# Run in the stand-ins' shared CPU engine process (conftest.py's ``engine_process``): a
+# fresh interpreter whose first act is ``install()``; a second call changes nothing.
+ENGINE_CHECK = """
+import importlib, json, sys, torch
+from harness.standins.cpu_engine import install, sglang_patches, sgl_kernel_module
+install(); install()
+for name in sglang_patches.HOOKS:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if not name.startswith(exc.name or "?"):
+            raise
+import sgl_kernel
+out = {"applied": sglang_patches.applied(), "standin": sgl_kernel_module.is_standin(),
+       "sync": torch.cuda.synchronize.__module__}
+"""
+ENGINE_CHECK_ORDER = 0
+
+
+@pytest.mark.xdist_group("engine-process")
+def test_install_in_a_fresh_process_fills_this_bases_gaps(engine_process):
     from harness.patchset.layout import layout
 
-    out = _run("""
-        import importlib, json, sys, torch
-        from harness.standins.cpu_engine import install, sglang_patches, sgl_kernel_module
-        install(); install()
-        for name in sglang_patches.HOOKS:
-            try:
-                importlib.import_module(name)
-            except ModuleNotFoundError as exc:
-                if not name.startswith(exc.name or "?"):
-                    raise
-        import sgl_kernel
-        print(json.dumps({"applied": sglang_patches.applied(), "standin": sgl_kernel_module.is_standin(),
-                          "sync": torch.cuda.synchronize.__module__}))
-    """, timeout=300)
+    out = engine_process(__name__)
     pool = "sglang.srt.mem_cache.memory_pool"
     eagle = "sglang.srt.speculative.eagle_utils"
     if layout().label == "0.5.13.post1":

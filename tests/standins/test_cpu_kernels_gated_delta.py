@@ -6,11 +6,6 @@ alone, the float32 ``initial_state`` that *is* the returned final state)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -287,7 +282,8 @@ def test_registered_ops_are_these_functions():
     assert not hasattr(torch.ops.sgl_kernel, "convert_weight_packed")  # AMX probe stays off
 
 
-WRAPPERS = """
+# Run in the stand-ins' shared CPU engine process (conftest.py's ``engine_process``).
+ENGINE_CHECK = """
 import inspect, json, torch
 from harness.standins.cpu_engine import install
 install()
@@ -311,21 +307,18 @@ init = torch.zeros(2, 2, 4, 4)
 params = list(inspect.signature(chunk_gated_delta_rule_cpu).parameters)
 extra = [idx] if "initial_state_indices" in params else []
 o, last, h = chunk_gated_delta_rule_cpu(q, q, v, gg, beta, init, cu, False, True, *extra)
-print(json.dumps({"standin": bool(getattr(sgl_kernel, "__standin__", False)),
-                  "mamba": done["mamba"], "conv": torch.equal(out, want),
-                  "states": bool(states.abs().sum() > 0), "chunk": list(o.shape),
-                  "h": h is None, "indices": bool(extra)}))
+out = {"standin": bool(getattr(sgl_kernel, "__standin__", False)),
+       "mamba": done["mamba"], "conv": torch.equal(out, want),
+       "states": bool(states.abs().sum() > 0), "chunk": list(o.shape),
+       "h": h is None, "indices": bool(extra)}
 """
 
 
-def test_sglang_wrappers_reach_the_ops_in_a_cpu_engine_process():
+@pytest.mark.xdist_group("engine-process")
+def test_sglang_wrappers_reach_the_ops_in_a_cpu_engine_process(engine_process):
     """What a parity rank does: the CPU engine's sgl_kernel stand-in, then these ops and
     the installed sgl-kernel's own ``mamba.py`` wrappers as ``sgl_kernel.mamba``."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(WRAPPERS)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = engine_process(__name__)
     if out["standin"]:
         assert out["mamba"] == "loaded"
     assert out["conv"] and out["states"] and out["h"]

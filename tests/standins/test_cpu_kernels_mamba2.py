@@ -8,12 +8,7 @@ Triton's interpreter, and :func:`install` binding both in the Mamba2 mixer's mod
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +18,6 @@ from harness.standins.cpu_kernels import mamba2
 
 pytestmark = pytest.mark.bases("0.5.13.post1", "0.5.23")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gen(seed=0):
@@ -333,11 +327,14 @@ def test_scan_refuses_what_it_does_not_implement():
 
 # ------------------------------------------------------------------ SGLang's own kernels
 
-_CHILD = textwrap.dedent(
+# Run in the stand-ins' shared CPU engine process (conftest.py's ``engine_process``):
+# SGLang's CPU engine mode, TRITON_INTERPRET=1 before triton is imported. Last there: it
+# replaces two GPU-only hooks of torch and Triton for its own kernels.
+ENGINE_CHECK = textwrap.dedent(
     """
     import contextlib, importlib, json, sys
     from harness.standins.cpu_engine import install
-    install()  # SGLang's CPU engine mode; TRITON_INTERPRET=1 before triton is imported
+    install()
     import torch
     from triton.runtime import autotuner
     from harness.standins.cpu_kernels import mamba2
@@ -407,23 +404,20 @@ _CHILD = textwrap.dedent(
     mamba2.install()
     report["bound"] = (mixer.causal_conv1d_fn_triton is mamba2.causal_conv1d_fn
                        and mixer.mamba_chunk_scan_combined is mamba2.mamba_chunk_scan_combined)
-    print("REPORT " + json.dumps(report))
+    out = report
     """
 )
+ENGINE_CHECK_ORDER = 9
 
 
-def test_matches_sglang_triton_kernels_and_installs_in_a_cpu_engine_process():
+@pytest.mark.xdist_group("engine-process")
+def test_matches_sglang_triton_kernels_and_installs_in_a_cpu_engine_process(engine_process):
     """SGLang's Triton ``causal_conv1d_fn`` and ``mamba_chunk_scan_combined`` of the active
     base, run by Triton's interpreter on the same inputs (conv: a short sequence, cache
     lines out of order; SSD: chunks that straddle sequences, initial states with chunk
     offsets), give what the stand-ins give; then :func:`install` binds both where
     ``MambaMixer2.forward`` looks them up."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    report = json.loads(lines[-1][len("REPORT "):])
+    report = dict(engine_process(__name__))
     assert report.pop("bound") is True
     for name, diff in report.items():
         assert diff <= 5e-5, f"{name}: max abs diff {diff:.3g} against SGLang's Triton kernel"

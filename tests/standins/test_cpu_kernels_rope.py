@@ -10,15 +10,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import types
 
 import pytest
 import torch
 
-from harness import ROOT
 from harness.standins.cpu_kernels import rope_inplace
 
 pytestmark = pytest.mark.bases("0.5.13.post1", "0.5.23")
@@ -40,9 +37,9 @@ def _rope(x, positions, base, neox):
 
 # ---- mla_rope -----------------------------------------------------------------------
 
-_MLA_CHECK = """
+# Run in the stand-ins' shared CPU engine process (conftest.py's ``engine_process``).
+ENGINE_CHECK = """
 import json, sys
-sys.path.insert(0, ".")
 from harness.parity.runner import init
 init(0, 1)  # a parity rank: SGLang's CPU engine mode and its state at TP 1
 import torch
@@ -75,19 +72,15 @@ for neox in (False, True):
     out[f"k_{neox}"] = float((k_out.reshape(k.shape) - _rope(k, pos, 10000, neox)).abs().max())
 mla_rope.uninstall()
 out["restored"] = factory.get_rope_cpu is not mla_rope.get_rope_cpu
-print(json.dumps(out))
 """
 
 
-def test_plain_rope_for_mla_on_the_cpu():
+@pytest.mark.xdist_group("engine-process")
+def test_plain_rope_for_mla_on_the_cpu(engine_process):
     """In a fresh process in SGLang's CPU engine mode (SGLang decides its platform at
     import): refused without the stand-in, SGLang's RotaryEmbedding with it (interleaved
     and neox pairs by the definition), scaled RoPE left to SGLang, restored after."""
-    pytest.importorskip("sglang")
-    proc = subprocess.run([sys.executable, "-c", _MLA_CHECK], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = engine_process(__name__)
     assert out["refused"] and out["yarn_is_sglangs"] and out["restored"]
     for neox in ("False", "True"):
         assert out[f"class_{neox}"] == "RotaryEmbedding"
