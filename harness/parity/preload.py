@@ -10,22 +10,19 @@ once, instead of every rank importing them after a spawn (about 40 s of CPU each
 test lacks (another base) is skipped.
 """
 
-import importlib
 import os
-import time
 
 from harness.parity.runner import ENV
 
-_t0 = time.monotonic()
 os.environ.update(ENV)
 
+from harness.ranks.sglang import preload  # noqa: E402
 from harness.standins.cpu_engine import install  # noqa: E402
 from harness.standins.cpu_kernels import qwen3_5 as _qwen3_5_ops  # noqa: E402
 
 install()
 _qwen3_5_ops.install()
-
-_MODULES = (
+preload((
     "sglang.srt.server_args",
     "sglang.srt.distributed.parallel_state",
     "sglang.srt.layers.dp_attention",
@@ -35,13 +32,4 @@ _MODULES = (
     "sglang.srt.models.registry",
     "sglang.srt.layers.attention.torch_native_backend",
     "sglang.srt.layers.attention.triton_backend",
-)
-for _name in _MODULES:
-    try:
-        importlib.import_module(_name)
-    except Exception:  # another base lays SGLang out differently: the rank imports it
-        pass
-
-from harness.ranks.sglang import _log_import  # noqa: E402
-
-_log_import(-1, 0, True, time.monotonic() - _t0)
+))

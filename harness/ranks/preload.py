@@ -7,24 +7,12 @@ SGLang under test (another base) is skipped. With ``$HARNESS_IMPORT_LOG`` the im
 logged as rank -1 (``make bench-suite``).
 """
 
-import importlib
-import time
+from harness.ranks.sglang import preload
 
-_MODULES = (
+preload((
     "sglang.srt.server_args",
     "sglang.srt.distributed.parallel_state",
     "sglang.srt.layers.dp_attention",
     "sglang.srt.layers.logits_processor",
     "sglang.srt.models.deepseek_v2",
-)
-
-_t0 = time.monotonic()
-for _name in _MODULES:
-    try:
-        importlib.import_module(_name)
-    except Exception:  # another base lays SGLang out differently: the rank imports it
-        pass
-
-from harness.ranks.sglang import _log_import  # noqa: E402
-
-_log_import(-1, 0, True, time.monotonic() - _t0)
+))

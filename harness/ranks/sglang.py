@@ -266,6 +266,22 @@ def init_sglang_distributed(
     return _STATE
 
 
+def preload(modules: tuple[str, ...]) -> None:
+    """A forkserver's preload: import ``modules`` once (a module that the SGLang under
+    test lacks, on another base, is skipped: the rank imports what it needs), logged as
+    rank -1. Nothing is initialised (no process group, no CUDA)."""
+    import importlib
+    import time
+
+    t0 = time.monotonic()
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+    _log_import(-1, 0, True, time.monotonic() - t0)
+
+
 def _log_import(rank: int, world_size: int, first_import: bool, seconds: float) -> None:
     """With ``$HARNESS_IMPORT_LOG``, one JSON line per process that brings SGLang up
     (``make bench-suite`` counts them: the suites import SGLang once per process)."""
