@@ -90,7 +90,10 @@ EXERCISED = frozenset({"A", "C", "R", "U", "N"})
 
 
 def _exercised(fam) -> frozenset:
-    return _bugs(fam) & (EXERCISED | fam.also_exercises)
+    from harness.patchset.layout import layout
+
+    extra = fam.also_exercises | fam.also_exercises_on.get(layout().label, frozenset())
+    return _bugs(fam) & (EXERCISED | extra)
 
 
 def refused(fam, set_name: str) -> bool:

@@ -66,6 +66,9 @@ class Family:
     # path exercises, beyond the ones every family's does (A, C, R, U, N): e.g. "L" when
     # captures go through a wrapper's setter that sets the language model's list alone.
     also_exercises: frozenset = frozenset()
+    # The same, on one base only ({base label: letters}): a path that the base's own code
+    # changed (e.g. a wrapper's setter that calls the model's own on a newer release).
+    also_exercises_on: Mapping[str, frozenset] = dataclasses.field(default_factory=dict)
     # Its decoder layers can defer the MLP all-reduce into the next layer's fused norm:
     # at TP > 1 the FlashInfer fusion emulation runs too.
     defers: bool = False

@@ -131,8 +131,9 @@ FAMILIES = [
         hf_model_class="Qwen3_5ForConditionalGeneration",
         config=lambda: _qwen3_5(moe=False),
         spec="qwen3_5",
-        # EAGLE3 goes through the Qwen3-VL wrapper's setter (L at the pin).
-        also_exercises=frozenset({"L"}),
+        # EAGLE3 goes through the Qwen3-VL wrapper's setter: at the pin it sets the
+        # language model's list alone (L); 0.5.23's calls the model's own setter.
+        also_exercises_on={"0.5.13.post1": frozenset({"L"})},
         defers=True,
         hf_final_norm="model.language_model.norm",
         prepare=_prepare,
@@ -146,8 +147,9 @@ FAMILIES = [
         hf_model_class="Qwen3_5MoeForConditionalGeneration",
         config=lambda: _qwen3_5(moe=True),
         spec="qwen3_5_moe",
-        # EAGLE3 goes through the Qwen3-VL wrapper's setter (L at the pin).
-        also_exercises=frozenset({"L"}),
+        # EAGLE3 goes through the Qwen3-VL wrapper's setter: at the pin it sets the
+        # language model's list alone (L); 0.5.23's calls the model's own setter.
+        also_exercises_on={"0.5.13.post1": frozenset({"L"})},
         defers=True,
         hf_final_norm="model.language_model.norm",
         prepare=_prepare,
