@@ -35,6 +35,14 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # One OpenMP thread per process, as torchrun sets for more than one process per host:
+    # the suites run two workers plus up to seven rank processes on two cores, and each
+    # one's default intra-op pool (a thread per core, spin-waiting) only fought the others
+    # for them. Tiny tensors gain nothing from it. Set before any process here imports
+    # torch (xdist workers, forkservers and ranks inherit it); an explicit value wins.
+    # The real-engine tier (--e2e) keeps SGLang's own threading.
+    if not config.getoption("--e2e"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     config.addinivalue_line(
         "markers", "guards(patch_id): regression test for the patch with that Patch-Id"
     )
