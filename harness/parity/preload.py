@@ -10,23 +10,11 @@ once, instead of every rank importing them after a spawn (about 40 s of CPU each
 test lacks (another base) is skipped.
 """
 
-import os
+from harness.parity.runner import cpu_engine_mode
+from harness.ranks.sglang import CORE_MODULES, preload
 
-from harness.parity.runner import ENV
-
-os.environ.update(ENV)
-
-from harness.ranks.sglang import preload  # noqa: E402
-from harness.standins.cpu_engine import install  # noqa: E402
-from harness.standins.cpu_kernels import qwen3_5 as _qwen3_5_ops  # noqa: E402
-
-install()
-_qwen3_5_ops.install()
-preload((
-    "sglang.srt.server_args",
-    "sglang.srt.distributed.parallel_state",
-    "sglang.srt.layers.dp_attention",
-    "sglang.srt.layers.logits_processor",
+cpu_engine_mode()
+preload(CORE_MODULES + (
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.model_loader",
     "sglang.srt.models.registry",

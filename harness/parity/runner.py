@@ -40,8 +40,10 @@ INIT_FN = "harness.parity.runner:init"
 PRELOAD = ("harness.parity.preload",)
 
 
-def init(rank: int, world_size: int, **kwargs: Any):
-    """Rank pool init hook: SGLang's CPU engine mode, then its distributed state."""
+def cpu_engine_mode() -> None:
+    """What a parity rank needs before SGLang is imported: its CPU engine mode and the
+    ops a model module binds at import. Idempotent (the forkserver's preload runs it,
+    then each forked rank's :func:`init` again)."""
     os.environ.update(ENV)
     from harness.standins.cpu_engine import install
     from harness.standins.cpu_kernels import qwen3_5 as qwen3_5_ops
@@ -52,6 +54,11 @@ def init(rank: int, world_size: int, **kwargs: Any):
     # process's lifetime, a module whose import failed; a family's setup hook runs too
     # late for them.
     qwen3_5_ops.install()
+
+
+def init(rank: int, world_size: int, **kwargs: Any):
+    """Rank pool init hook: SGLang's CPU engine mode, then its distributed state."""
+    cpu_engine_mode()
     from harness.ranks.sglang import init_sglang_distributed
 
     return init_sglang_distributed(rank, world_size, **kwargs)

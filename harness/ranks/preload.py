@@ -7,12 +7,6 @@ SGLang under test (another base) is skipped. With ``$HARNESS_IMPORT_LOG`` the im
 logged as rank -1 (``make bench-suite``).
 """
 
-from harness.ranks.sglang import preload
+from harness.ranks.sglang import CORE_MODULES, preload
 
-preload((
-    "sglang.srt.server_args",
-    "sglang.srt.distributed.parallel_state",
-    "sglang.srt.layers.dp_attention",
-    "sglang.srt.layers.logits_processor",
-    "sglang.srt.models.deepseek_v2",
-))
+preload(CORE_MODULES + ("sglang.srt.models.deepseek_v2",))

@@ -31,6 +31,14 @@ __all__ = [
 ]
 
 INIT_FN = "harness.ranks.sglang:init_sglang_distributed"
+# What every rank imports first: the modules this shim and the logits processor reach
+# (a forkserver's preload lists these and its own; see preload()).
+CORE_MODULES = (
+    "sglang.srt.server_args",
+    "sglang.srt.distributed.parallel_state",
+    "sglang.srt.layers.dp_attention",
+    "sglang.srt.layers.logits_processor",
+)
 # What CPU rank pools preload in their forkserver (RankPool(preload=...)).
 PRELOAD = ("harness.ranks.preload",)
 

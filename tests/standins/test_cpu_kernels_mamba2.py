@@ -19,7 +19,6 @@ from harness.standins.cpu_kernels import mamba2
 pytestmark = pytest.mark.bases("0.5.13.post1", "0.5.23")
 
 
-
 def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 

@@ -45,7 +45,6 @@ init(0, 1)  # a parity rank: SGLang's CPU engine mode and its state at TP 1
 import torch
 from sglang.srt.layers.rotary_embedding import factory
 from harness.standins.cpu_kernels import mla_rope
-sys.path.insert(0, "tests/standins")
 from test_cpu_kernels_rope import _rope
 
 out = {}
@@ -80,6 +79,7 @@ def test_plain_rope_for_mla_on_the_cpu(engine_process):
     """In a fresh process in SGLang's CPU engine mode (SGLang decides its platform at
     import): refused without the stand-in, SGLang's RotaryEmbedding with it (interleaved
     and neox pairs by the definition), scaled RoPE left to SGLang, restored after."""
+    pytest.importorskip("sglang")
     out = engine_process(__name__)
     assert out["refused"] and out["yarn_is_sglangs"] and out["restored"]
     for neox in ("False", "True"):
