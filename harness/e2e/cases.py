@@ -32,6 +32,8 @@ DEEPSEEK_IDS = (1, 2)      # deepseek_v2 adds 1 when the first id is 1: captures
 
 # The patch that makes the last layer's capture happen, per target family (both bases).
 GUARDS = {"llama": "models-capture-final-layer", "deepseek_v3": "dsv2-capture-final-layer"}
+# The patch that reads the draft config's final_layer_capture (both bases).
+FINAL_LAYER_CAPTURE = "final-layer-capture"
 # Bases whose SGLang refuses DFLASH on the CPU (platform_refusal): their DFlash tests
 # skip, so they guard nothing there (the ablation counts a skip as not failing).
 DFLASH_REFUSED = ("0.5.23",)
@@ -50,6 +52,8 @@ class Case:
     steps: int = 3
     draft_tokens: int = 4
     reference_for: str | None = None  # run only as this configuration's plain reference
+    # The draft config's final_layer_capture (None: the key is absent, "pre_norm").
+    final_layer_capture: str | None = None
 
     @property
     def aux_ids(self) -> tuple[int, ...]:
@@ -70,6 +74,10 @@ CASES = {c.key: c for c in (
     Case("llama-plain", "llama"),
     Case("llama-eagle3-exact", "llama", "EAGLE3", "exact", topk=1),
     Case("llama-eagle3-random", "llama", "EAGLE3", "random", topk=2),
+    # The draft asks for the final norm's output in its last slot. The anchored target's
+    # final norm has unit weights, so the exact draft is exact on either side of it.
+    Case("llama-eagle3-postnorm", "llama", "EAGLE3", "exact", topk=1,
+         final_layer_capture="post_norm"),
     # DFlash hands the draft input embeddings, which SGLang's forward_extend casts to
     # bfloat16 whatever the model dtype: a DFlash engine runs in bfloat16 or not at all.
     Case("llama-plain-bf16", "llama", dtype="bfloat16", reference_for="llama-dflash-exact"),
@@ -106,8 +114,11 @@ class Checkpoints:
             return None
         ids = list(case.aux_ids)
         name = f"{case.model}-{case.algorithm.lower()}-{case.draft}"
+        if case.final_layer_capture:
+            name += f"-{case.final_layer_capture}"
         if case.algorithm == "EAGLE3":
-            return self._once(name, lambda p: checkpoints.make_eagle3(p, ids, exact=case.draft == "exact"))
+            return self._once(name, lambda p: checkpoints.make_eagle3(
+                p, ids, exact=case.draft == "exact", final_layer_capture=case.final_layer_capture))
         layers = self.target(case.model).layers
         return self._once(name, lambda p: checkpoints.make_dflash(p, ids, layers, exact=case.draft == "exact",
                                                                   block_size=case.draft_tokens))

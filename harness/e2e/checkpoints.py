@@ -195,19 +195,24 @@ def _llama_draft_config(architecture: str, **extra) -> dict:
 
 
 def make_eagle3(path: Path, aux_layer_ids: list[int], *, exact: bool, exact_slot: int = -1,
-                seed: int = 1) -> Path:
+                seed: int = 1, final_layer_capture: str | None = None) -> Path:
     """An EAGLE3 draft (``LlamaForCausalLMEagle3``, one layer) reading the target layers
     ``aux_layer_ids`` (``eagle_config.eagle_aux_hidden_state_layer_ids``). ``exact``: the
     constructed draft, its ``fc`` passing slot ``exact_slot`` (the one naming the target's
-    last layer); else random."""
+    last layer); else random. ``final_layer_capture``: the ``eagle_config`` key beside the
+    ids (``pre_norm`` / ``post_norm``: which side of the target's final norm the last
+    layer's capture is taken); None leaves it out."""
     import torch
     from safetensors.torch import save_file
 
     k = len(aux_layer_ids)
     path.mkdir(parents=True, exist_ok=True)
+    eagle_config = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+    if final_layer_capture is not None:
+        eagle_config["final_layer_capture"] = final_layer_capture
     cfg = _llama_draft_config(
         "LlamaForCausalLMEagle3", num_hidden_layers=1, draft_vocab_size=VOCAB, target_hidden_size=H,
-        eagle_config={"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)},
+        eagle_config=eagle_config,
     )
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator().manual_seed(seed)

@@ -8,8 +8,10 @@ file) appends one JSON line per event to ``path``:
   ``set_eagle3_layers_to_capture`` / ``set_dflash_layers_to_capture`` (``model_runner``
   calls them) on a model class of the target, and what it left in
   ``model.layers_to_capture``;
-- ``{"event": "aux", "k": K, "hidden": H, "tokens": T}``: every ``LogitsProcessor``
-  call that received aux hidden states (list or packed): how many captures, of what width;
+- ``{"event": "aux", "k": K, "hidden": H, "tokens": T, "last_is_final": bool}``: every
+  ``LogitsProcessor`` call that received aux hidden states (list or packed): how many
+  captures, of what width, and whether the last one equals the final hidden states it
+  was handed (the final norm's output: a ``post_norm`` capture of the last layer);
 - ``{"event": "fc", "model": ..., "in": W, "expected": E}``: every input to the draft's
   ``fc`` (EAGLE3 ``LlamaForCausalLMEagle3``, ``DFlashDraftModel``), its width against
   the width the layer takes.
@@ -81,11 +83,15 @@ def _wrap_logits_processor(module) -> None:
             if isinstance(aux_hidden_states, (list, tuple)):
                 k = len(aux_hidden_states)
                 tokens = int(aux_hidden_states[0].shape[0]) if k else 0
+                last = aux_hidden_states[-1] if k else None
             else:
                 k = int(aux_hidden_states.shape[-1]) // hidden if hidden else 0
                 tokens = int(aux_hidden_states.shape[0])
+                last = aux_hidden_states[..., -hidden:] if k else None
+            last_is_final = (last is not None and tuple(last.shape) == tuple(hidden_states.shape)
+                             and bool((last == hidden_states).all()))
             _write({"event": "aux", "target": bool(getattr(self, "__harness_target__", False)),
-                    "k": k, "hidden": hidden, "tokens": tokens})
+                    "k": k, "hidden": hidden, "tokens": tokens, "last_is_final": last_is_final})
         return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states,
                         *args, **kwargs)
 

@@ -129,8 +129,14 @@ def capture_case(
     mode: str = "extend",
     tbo: bool = False,
     list_only: bool = False,
+    final_layer_capture: str = "pre_norm",
 ) -> Dict[str, Any]:
     """Runs one capture case; returns plain data for cross-rank comparison.
+
+    ``final_layer_capture``: what the last layer's capture holds, set the way the model
+    runner sets it (``set_final_layer_capture``, patch final-layer-capture); with
+    ``post_norm`` the expected last capture is the final norm's output (the final
+    hidden states), and a tree without the setting fails the case.
 
     ``list_only``: request the captures by setting the model's ``layers_to_capture``
     alone, as the Qwen3-VL wrapper's setter does for its language model, instead of
@@ -150,17 +156,28 @@ def capture_case(
     m = get_model(model)
     refs, ref_final = reference(model, num_tokens, mode)
     tbo_layers: List[int] = []
+    set_final = None
+    if final_layer_capture != "pre_norm":
+        from sglang.srt.layers.aux_hidden_states import set_final_layer_capture as set_final
+
     if list_only:
         m.layers_to_capture = list(layers_to_capture)
     else:
         spec.configure(m, layers_to_capture)
     try:
+        if set_final is not None:
+            set_final(final_layer_capture)
         with fusion_mode(fusion), _tbo_executor(m, tbo_layers, enabled=tbo):
             final, aux = _forward(m, input_ids(num_tokens, spec.tiny.vocab_size), mode, tbo=tbo)
     finally:
+        if set_final is not None:
+            set_final("pre_norm")
         spec.configure(m, [])
     packed = as_packed(aux)
     want = sorted(set(layers_to_capture))
+    if final_layer_capture == "post_norm":
+        # The last layer's capture (index num_layers) is the final norm's output.
+        refs = refs[:spec.tiny.num_layers] + [ref_final]
     hidden = spec.tiny.hidden_size
     parts = list(aux) if isinstance(aux, (list, tuple)) else ([] if aux is None else [aux])
     shares = [i for i, t in enumerate(parts)
@@ -315,9 +332,10 @@ def _tensors(out) -> List[Any]:
 
 
 def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_tokens: int = 6,
-                           fullgraph: bool = True):
+                           fullgraph: bool = True, final_layer_capture: str = "pre_norm"):
     """(eager outputs, compiled outputs, graph-break reasons) of the model's real forward
-    with these captures.
+    with these captures (the last layer's taken ``final_layer_capture``, as
+    :func:`capture_case` sets it).
 
     The compile is ``torch.compile(fullgraph=True, backend="eager")``, as SGLang's
     piecewise CUDA graph compiles the model forward (with its own backend) on CUDA; a
@@ -351,8 +369,14 @@ def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_toke
         def __getattr__(self, name):
             return getattr(model, name)
 
+    set_final = None
+    if final_layer_capture != "pre_norm":
+        from sglang.srt.layers.aux_hidden_states import set_final_layer_capture as set_final
+
     spec.configure(model, layers_to_capture)
     try:
+        if set_final is not None:
+            set_final(final_layer_capture)
         with torch.no_grad():
             eager = [t.clone() for t in _tensors(spec.run(model, ids, positions, make_forward_batch(ids)))]
             with torch._dynamo.config.patch(disable=False):
@@ -364,5 +388,7 @@ def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_toke
                 breaks = sorted(str(reason) for reason in counters["graph_break"])
                 torch._dynamo.reset()
     finally:
+        if set_final is not None:
+            set_final("pre_norm")
         spec.configure(model, [])
     return eager, compiled, breaks

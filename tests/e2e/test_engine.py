@@ -14,6 +14,9 @@ Engine. The checks:
 - ``test_captures_reach_draft``: through the real ``set_eagle3_layers_to_capture`` /
   ``set_dflash_layers_to_capture`` that ``model_runner`` calls, the target hands over K
   of K captures at every forward and the draft's ``fc`` receives K*H-wide input;
+- ``test_last_capture_side_of_the_final_norm``: the last capture is the final norm's
+  output at every forward when the draft config says ``final_layer_capture:
+  post_norm``, and never when it says nothing (``pre_norm``, the default);
 - ``test_plain_*``: the plain references themselves: single == batched, and (float32)
   == transformers' greedy output.
 """
@@ -125,3 +128,25 @@ def test_captures_reach_draft(e2e_runs, case):
     assert all(e["expected"] == k * hidden for e in fc), f"{case.key}: the draft's fc takes {fc[0]['expected']}"
     wide = [e["in"] for e in fc if e["in"] != hidden]
     assert wide and set(wide) == {k * hidden}, f"{case.key}: the draft's fc received widths {sorted(set(wide))}, expected {k * hidden}"
+
+
+def _final_layer_guarded(case_list):
+    """The post_norm cases guard the patch that reads the setting; a pre_norm case holds
+    on a tree without it too (its last capture was never the norm's output)."""
+    return [pytest.param(c, id=c.key, marks=pytest.mark.guards(cases.FINAL_LAYER_CAPTURE)
+                         if c.final_layer_capture == "post_norm" else ())
+            for c in case_list if c.algorithm == "EAGLE3"]
+
+
+@pytest.mark.parametrize("case", _final_layer_guarded(SPEC_CASES))
+def test_last_capture_side_of_the_final_norm(e2e_runs, case):
+    run = _run(e2e_runs, case.key)
+    post_norm = case.final_layer_capture == "post_norm"
+    aux = [e for e in run.events if e["event"] == "aux" and e["target"] and e["tokens"]]
+    assert aux, f"{case.key}: the target never handed over aux hidden states"
+    wrong = [e for e in aux if e["last_is_final"] != post_norm]
+    assert not wrong, (
+        f"{case.key}: in {len(wrong)} of {len(aux)} target forwards the last capture "
+        f"{'is not' if post_norm else 'is'} the final norm's output; the draft config asks for "
+        f"{case.final_layer_capture or 'nothing (pre_norm)'}"
+    )

@@ -4,8 +4,9 @@ For each model spec (harness/standins/models): the real ``XModel.forward`` and
 decoder layers, attention and MLP/MoE as exact TP-sharded stand-ins, x fusion (off,
 and FlashInfer-fused / aiter-like in place where the model's layers defer their
 all-reduce) x layer sets (EAGLE3 default, EAGLE3 ids with the last layer, DFlash
-ids). Each TP runs the whole matrix in one call through one warm pool; the TP = 1
-reference runs in this worker.
+ids, and the EAGLE3 ids with the last layer's capture taken after the final norm,
+``post_norm``). Each TP runs the whole matrix in one call through one warm pool; the
+TP = 1 reference runs in this worker.
 
 Every rank equals the TP = 1 reference exactly and each other; K of K; no capture
 shares storage with the final hidden states; the final hidden states are unchanged
@@ -27,6 +28,8 @@ from harness.suites.models import layer_sets
 pytestmark = pytest.mark.bases("0.5.13.post1", "0.5.23")
 
 TPS = (1, 2, 4)
+# The patch that lets the draft choose the last layer's capture (docs/MODELS.md).
+FINAL_LAYER_CAPTURE = "final-layer-capture"
 
 
 def _cases():
@@ -35,10 +38,15 @@ def _cases():
         if not spec.in_matrix:
             continue
         fusions = ["off", "flashinfer", "aiter"] if spec.defers else ["off"]
-        for set_name, layers in layer_sets(spec.tiny.num_layers).items():
+        sets = layer_sets(spec.tiny.num_layers)
+        for set_name, layers in sets.items():
             for fusion in fusions:
                 out.append((f"{name}-{set_name}-{fusion}",
                             dict(model=name, layers_to_capture=layers, fusion=fusion)))
+        for fusion in fusions:
+            out.append((f"{name}-post-norm-{fusion}",
+                        dict(model=name, layers_to_capture=sets["eagle3-last"], fusion=fusion,
+                             final_layer_capture="post_norm")))
     return out
 
 
@@ -59,7 +67,10 @@ def guards_for(tp: int, case: dict) -> list[str]:
     wanted += sorted(bugs & {"E", "X"})
     if "F" in bugs and fused:
         wanted.append("F")
-    return sorted({p for p in (spec.patch_for(b) for b in wanted) if p})
+    patches = {p for p in (spec.patch_for(b) for b in wanted) if p}
+    if case.get("final_layer_capture") == "post_norm":
+        patches.add(FINAL_LAYER_CAPTURE)
+    return sorted(patches)
 
 
 def _params():

@@ -17,7 +17,9 @@ fusion emulation runs too. Checked against transformers:
   they are without it;
 * ``test_last_layer_capture``: K of K reach the logits processor's output (what the
   draft receives), and the capture of index ``L`` equals the stream entering
-  transformers' final norm (``pre_norm``, this series' last-layer semantics).
+  transformers' final norm (``pre_norm``, the default last-layer semantics) or, with
+  the draft config's ``final_layer_capture: post_norm`` (set ``post_norm``: the EAGLE3
+  ids), transformers' ``hidden_states[L]``, the final norm's output.
 
 Guards follow the survey's bugs (``harness.standins.models``): a case guards the patch
 that fixes the bug it exercises on the active base, so `make ablation` shows it
@@ -36,7 +38,9 @@ from harness.parity.runner import ENV, INIT_FN, PRELOAD
 pytestmark = [pytest.mark.bases(*BOTH_BASES), pytest.mark.parity]
 
 TPS = (1, 2)
-SETS = ("none", "eagle3", "dflash")
+SETS = ("none", "eagle3", "dflash", "post_norm")
+# The patch that lets the draft choose the last layer's capture (docs/MODELS.md).
+FINAL_LAYER_CAPTURE = "final-layer-capture"
 
 
 def _active(fam) -> bool:
@@ -51,7 +55,15 @@ def capture_request(set_name: str, num_layers: int) -> dict:
         return {"eagle3": list(range(1, num_layers))}
     if set_name == "dflash":
         return {"dflash": [0, num_layers // 2, num_layers - 1]}
+    if set_name == "post_norm":
+        return {"eagle3": list(range(1, num_layers)), "final_layer_capture": "post_norm"}
     return {}
+
+
+def _ids(set_name: str, num_layers: int) -> list:
+    """The draft layer ids a capture set requests."""
+    request = capture_request(set_name, num_layers)
+    return request["eagle3"] if "eagle3" in request else request["dflash"]
 
 
 def _cases():
@@ -116,7 +128,7 @@ def case_bugs(fam, kind: str, tp: int, set_name: str, fusion: str) -> list[str]:
         wanted.append("A")
     if kind == "last":
         wanted.append("C")
-    if set_name == "eagle3":
+    if set_name in ("eagle3", "post_norm"):
         wanted.append("L")
     return [b for b in wanted if b in bugs]
 
@@ -131,8 +143,11 @@ def _params(kind: str):
         if known:
             marks.append(pytest.mark.xfail(strict=True, reason=known))
         else:
-            patches = sorted({p for p in (_patch_for(fam, b)
-                                          for b in case_bugs(fam, kind, tp, set_name, fusion)) if p})
+            patches = {p for p in (_patch_for(fam, b)
+                                   for b in case_bugs(fam, kind, tp, set_name, fusion)) if p}
+            if kind == "last" and set_name == "post_norm":
+                patches.add(FINAL_LAYER_CAPTURE)
+            patches = sorted(patches)
             marks += [pytest.mark.guards(p) for p in patches]
         yield pytest.param(name, tp, set_name, fusion, id=case_id, marks=marks)
 
@@ -253,7 +268,7 @@ def test_in_loop_captures(rank_pool, references, name, tp, set_name, fusion):
     fam = families()[name]
     ref = references[name]["ref"]
     L = ref["num_layers"]
-    ids = capture_request(set_name, L)[set_name]
+    ids = _ids(set_name, L)
     plain = _results(rank_pool, references, name, tp, "none", fusion)
     for r, res in enumerate(_results(rank_pool, references, name, tp, set_name, fusion)):
         assert torch.equal(res["final"], plain[r]["final"]), (
@@ -275,7 +290,10 @@ def test_last_layer_capture(rank_pool, references, name, tp, set_name, fusion):
     fam = families()[name]
     ref = references[name]["ref"]
     L = ref["num_layers"]
-    ids = capture_request(set_name, L)[set_name]
+    ids = _ids(set_name, L)
+    post_norm = capture_request(set_name, L).get("final_layer_capture") == "post_norm"
+    want, what = ((ref["hidden_states"][L], "post_norm: the final norm's output") if post_norm
+                  else (ref["pre_norm"], "pre_norm: the stream entering the final norm"))
     for r, res in enumerate(_results(rank_pool, references, name, tp, set_name, fusion)):
         slots = _slots(res, ref["final"].shape[-1])
         assert res["num_aux"] == len(ids) and len(slots) == len(ids), (
@@ -283,5 +301,4 @@ def test_last_layer_capture(rank_pool, references, name, tp, set_name, fusion):
             f"({len(slots)} reached the logits processor's output)"
         )
         k = len(ids) - 1  # the last requested id is layer L - 1: capture index L
-        _close(fam, slots[k], ref["pre_norm"],
-               f"capture {k} (index {L}: the last layer's output, pre_norm)", r)
+        _close(fam, slots[k], want, f"capture {k} (index {L}, {what})", r)

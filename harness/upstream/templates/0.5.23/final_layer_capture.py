@@ -1,0 +1,247 @@
+# upstream-path: test/registered/unit/models/test_final_layer_capture.py
+"""The last layer's aux capture is taken before or after the final norm, as set.
+
+EAGLE3/DFlash capture index ``end_layer`` is the output of the last decoder
+layer. With ``final_layer_capture="pre_norm"`` (the default) a model captures
+the stream entering its final norm (hidden_states + residual); with
+``"post_norm"`` it captures the final norm's output instead, which is
+transformers' ``hidden_states[num_layers]`` and what drafts trained on
+``output_hidden_states`` features read there. Every other capture is the same
+either way. The setting is --speculative-final-layer-capture when given, else
+``final_layer_capture`` in the draft config, else ``"pre_norm"``.
+
+Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
+norm are small stand-ins on the real residual stream
+(``forward_batch.residual_stream``); LlamaModel.forward (a list collector) and
+DeepseekV2Model.forward (a packed collector) are the real ones.
+"""
+
+import types
+import unittest
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.aux_hidden_states import (
+    final_layer_capture_post_norm,
+    resolve_final_layer_capture,
+    set_final_layer_capture,
+)
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.models.deepseek_v2 import DeepseekV2Model
+from sglang.srt.models.llama import LlamaModel
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=20, suite="base-a-test-cpu")
+
+HIDDEN = 4
+TOKENS = 6
+NUM_LAYERS = 3
+# Capture ids: layer inputs 1 and 2, and NUM_LAYERS, the last layer's output.
+CAPTURE_IDS = [1, 2, NUM_LAYERS]
+
+
+class _StreamLayer(nn.Module):
+    """A decoder layer that adds ``10 * (layer_id + 1)`` to the residual stream.
+
+    At its input boundary it folds the previous layer's pending output into the
+    stream, hands that to whichever capture hook the model passes, and then
+    records its own contribution, as the real attention boundary does.
+    """
+
+    def __init__(self, layer_id, returns_topk):
+        super().__init__()
+        self.layer_id = layer_id
+        self.returns_topk = returns_topk
+
+    def forward(
+        self,
+        positions,
+        hidden_states,
+        forward_batch,
+        *unused_args,
+        capture_output=None,
+        captured_last_layer_outputs=None,
+        **unused_kwargs,
+    ):
+        hidden_states = residual_batch.fold(hidden_states, forward_batch)
+        if capture_output is not None:
+            capture_output(hidden_states)
+        if captured_last_layer_outputs is not None:
+            captured_last_layer_outputs.capture(hidden_states)
+        added = torch.full_like(hidden_states, 10.0 * (self.layer_id + 1))
+        out = residual_batch.stream_of(forward_batch).record(added, PLAIN_ADD)
+        return (out, None) if self.returns_topk else out
+
+
+class _FusedAddScaleNorm(nn.Module):
+    """Stand-in final norm: ``residual += hidden``, output ``3 * residual - 1``.
+
+    Like the fused GPU kernel it writes both of its inputs in place, so a
+    pre-norm capture must be taken from the updated residual, not the output.
+    """
+
+    def forward(self, hidden_states, residual=None):
+        if residual is None:
+            return hidden_states * 3.0 - 1.0
+        residual.add_(hidden_states)
+        hidden_states.copy_(residual * 3.0 - 1.0)
+        return hidden_states, residual
+
+
+def _stream_after(embeds, num_layers):
+    # The stream after layers 0..num_layers-1: embeds + 10 * (1 + ... + n).
+    return embeds + 10.0 * sum(range(1, num_layers + 1))
+
+
+def _build(model_cls, capture_ids):
+    returns_topk = model_cls is DeepseekV2Model
+    model = model_cls.__new__(model_cls)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList(
+        [_StreamLayer(i, returns_topk) for i in range(NUM_LAYERS)]
+    )
+    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model.layers_to_capture = list(capture_ids)
+    model.norm = _FusedAddScaleNorm()
+    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    if returns_topk:
+        model.use_dsa = False
+        model.first_k_dense_replace = 0
+        model.llama_4_scaling_config = None
+        model.next_full_attention_layer_id = {}
+    return model
+
+
+def _forward(model, embeds, idle=False):
+    forward_batch = types.SimpleNamespace(
+        can_run_tbo=False,
+        residual_stream=None,
+        forward_mode=ForwardMode.IDLE if idle else ForwardMode.EXTEND,
+    )
+    hidden, aux = model.forward(
+        input_ids=None,
+        positions=torch.arange(embeds.shape[0]),
+        forward_batch=forward_batch,
+        input_embeds=embeds,
+    )
+    if isinstance(aux, torch.Tensor):
+        aux = list(aux.split(HIDDEN, dim=-1))
+    return hidden, list(aux)
+
+
+class TestFinalLayerCapture(CustomTestCase):
+    def setUp(self):
+        set_final_layer_capture("pre_norm")
+
+    def tearDown(self):
+        set_final_layer_capture("pre_norm")
+
+    def _captures(self, model_cls, setting):
+        set_final_layer_capture(setting)
+        embeds = torch.randn(TOKENS, HIDDEN)
+        hidden, aux = _forward(_build(model_cls, CAPTURE_IDS), embeds.clone())
+        self.assertEqual(len(aux), len(CAPTURE_IDS), "one capture per id")
+        # Capture id i < NUM_LAYERS is the input of layer i in both settings.
+        for capture, layer_id in zip(aux[:-1], CAPTURE_IDS[:-1]):
+            torch.testing.assert_close(capture, _stream_after(embeds, layer_id))
+        return embeds, hidden, aux[-1]
+
+    def _check_pre_norm(self, model_cls):
+        embeds, hidden, last = self._captures(model_cls, "pre_norm")
+        norm_input = _stream_after(embeds, NUM_LAYERS)
+        torch.testing.assert_close(last, norm_input)
+        torch.testing.assert_close(hidden, norm_input * 3.0 - 1.0)
+
+    def _check_post_norm(self, model_cls):
+        embeds, hidden, last = self._captures(model_cls, "post_norm")
+        norm_output = _stream_after(embeds, NUM_LAYERS) * 3.0 - 1.0
+        torch.testing.assert_close(hidden, norm_output)
+        torch.testing.assert_close(last, norm_output)
+
+    def test_default_is_pre_norm(self):
+        self.assertFalse(final_layer_capture_post_norm())
+
+    def test_llama_pre_norm(self):
+        self._check_pre_norm(LlamaModel)
+
+    def test_llama_post_norm(self):
+        self._check_post_norm(LlamaModel)
+
+    def test_deepseek_v2_pre_norm(self):
+        self._check_pre_norm(DeepseekV2Model)
+
+    def test_deepseek_v2_post_norm(self):
+        self._check_post_norm(DeepseekV2Model)
+
+    def test_deepseek_v2_post_norm_idle_batch(self):
+        # An idle batch skips the final norm; the last slot is still filled.
+        set_final_layer_capture("post_norm")
+        model = _build(DeepseekV2Model, [1, NUM_LAYERS])
+        _, aux = _forward(model, torch.empty(0, HIDDEN), idle=True)
+        self.assertEqual([tuple(a.shape) for a in aux], [(0, HIDDEN), (0, HIDDEN)])
+
+    def test_post_norm_without_a_last_layer_capture(self):
+        set_final_layer_capture("post_norm")
+        embeds = torch.randn(TOKENS, HIDDEN)
+        for model_cls in (LlamaModel, DeepseekV2Model):
+            with self.subTest(model=model_cls.__name__):
+                _, aux = _forward(_build(model_cls, [1, 2]), embeds.clone())
+                self.assertEqual(len(aux), 2)
+                torch.testing.assert_close(aux[1], _stream_after(embeds, 2))
+
+
+class TestResolveFinalLayerCapture(CustomTestCase):
+    def test_default_is_pre_norm(self):
+        self.assertEqual(
+            resolve_final_layer_capture(None, None, "eagle_config"), "pre_norm"
+        )
+        self.assertEqual(
+            resolve_final_layer_capture(None, {}, "eagle_config"), "pre_norm"
+        )
+        self.assertEqual(
+            resolve_final_layer_capture(
+                None, {"eagle_aux_hidden_state_layer_ids": [1, 2]}, "eagle_config"
+            ),
+            "pre_norm",
+        )
+
+    def test_draft_config_over_default(self):
+        for value in ("pre_norm", "post_norm"):
+            with self.subTest(value=value):
+                draft = {"target_layer_ids": [0, 3], "final_layer_capture": value}
+                self.assertEqual(
+                    resolve_final_layer_capture(None, draft, "dflash_config"), value
+                )
+
+    def test_server_value_over_draft_config(self):
+        draft = {"final_layer_capture": "post_norm"}
+        self.assertEqual(
+            resolve_final_layer_capture("pre_norm", draft, "eagle_config"), "pre_norm"
+        )
+        draft = {"final_layer_capture": "pre_norm"}
+        self.assertEqual(
+            resolve_final_layer_capture("post_norm", draft, "eagle_config"),
+            "post_norm",
+        )
+        self.assertEqual(
+            resolve_final_layer_capture("post_norm", None, "eagle_config"), "post_norm"
+        )
+
+    def test_unknown_values_raise(self):
+        with self.assertRaisesRegex(ValueError, "dflash_config.final_layer_capture"):
+            resolve_final_layer_capture(
+                None, {"final_layer_capture": "after_norm"}, "dflash_config"
+            )
+        with self.assertRaisesRegex(ValueError, "--speculative-final-layer-capture"):
+            resolve_final_layer_capture("postnorm", None, "eagle_config")
+        with self.assertRaises(ValueError):
+            set_final_layer_capture("normed")
+        self.assertFalse(final_layer_capture_post_norm())
+
+
+if __name__ == "__main__":
+    unittest.main()

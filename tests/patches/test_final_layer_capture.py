@@ -1,0 +1,79 @@
+"""The last layer's capture setting (patch final-layer-capture) at the entry points the
+engine calls: the server argument's CLI parser, and the resolution the model runner
+does with the draft config. The captures themselves are checked against transformers
+(tests/parity), through the model matrix (tests/multirank) and in the real Engine
+(tests/e2e)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytestmark = [pytest.mark.bases("0.5.13.post1", "0.5.23"),
+              pytest.mark.guards("final-layer-capture")]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+@pytest.mark.parametrize("value", ["pre_norm", "post_norm"])
+def test_server_argument_parses(sglang_tp1, value):
+    args = _parser().parse_args(
+        ["--model-path", "m", "--speculative-final-layer-capture", value])
+    assert args.speculative_final_layer_capture == value
+
+
+def test_server_argument_defaults_to_the_draft_config(sglang_tp1):
+    args = _parser().parse_args(["--model-path", "m"])
+    assert args.speculative_final_layer_capture is None
+
+
+def test_server_argument_refuses_unknown_value(sglang_tp1):
+    with pytest.raises(argparse.ArgumentError, match="invalid choice: 'mid_norm'"):
+        _parser().parse_args(["--model-path", "m", "--speculative-final-layer-capture", "mid_norm"])
+
+
+@pytest.mark.parametrize("server, draft, want", [
+    (None, None, "pre_norm"),
+    (None, {}, "pre_norm"),
+    (None, {"eagle_aux_hidden_state_layer_ids": [0, 1]}, "pre_norm"),
+    (None, {"final_layer_capture": "post_norm"}, "post_norm"),
+    ("pre_norm", {"final_layer_capture": "post_norm"}, "pre_norm"),
+    ("post_norm", {"final_layer_capture": "pre_norm"}, "post_norm"),
+    ("post_norm", None, "post_norm"),
+])
+def test_resolution_server_over_draft_over_default(sglang_tp1, server, draft, want):
+    from sglang.srt.layers.aux_hidden_states import resolve_final_layer_capture
+
+    assert resolve_final_layer_capture(server, draft, "eagle_config") == want
+
+
+def test_unknown_draft_value_is_one_error_naming_its_source(sglang_tp1):
+    from sglang.srt.layers.aux_hidden_states import (
+        final_layer_capture_post_norm,
+        resolve_final_layer_capture,
+        set_final_layer_capture,
+    )
+
+    with pytest.raises(ValueError) as exc:
+        resolve_final_layer_capture(None, {"final_layer_capture": "postnorm"}, "dflash_config")
+    message = str(exc.value)
+    assert "\n" not in message
+    assert "dflash_config.final_layer_capture='postnorm'" in message and "post_norm" in message
+    with pytest.raises(ValueError, match="--speculative-final-layer-capture='x'"):
+        resolve_final_layer_capture("x", None, "eagle_config")
+    # a refused value leaves the process's setting as it was
+    set_final_layer_capture("post_norm")
+    try:
+        with pytest.raises(ValueError):
+            set_final_layer_capture("PRE_NORM")
+        assert final_layer_capture_post_norm()
+    finally:
+        set_final_layer_capture("pre_norm")
+    assert not final_layer_capture_post_norm()
