@@ -357,9 +357,15 @@ _SETUP_DONE: set = set()
 
 
 def run_case(checkpoint: str, prompts, tp: int, capture: dict, fusions: Sequence[str],
-             attention: str = "torch_native", setup: str = "") -> list:
+             attention: str = "torch_native", setup: str = "",
+             then: Sequence[dict] = ()) -> list:
     """Build the model, request ``capture`` ({"eagle3": ids} / {"dflash": ids} / {}), run
     each fusion mode; one result dict per fusion (an ``error`` string on failure).
+
+    ``then``: further requests on the same loaded model, each made through the model
+    runner's function again and run in every fusion mode after ``capture``'s, their
+    results following in order (the ``post_norm`` set after the ``eagle3`` one: the
+    same ids, so a model load less per family and TP).
 
     ``setup``: a family's ``"module:function"`` run once per process before its first
     model is built (e.g. installing the CPU version of a kernel that has no CPU path)."""
@@ -367,6 +373,7 @@ def run_case(checkpoint: str, prompts, tp: int, capture: dict, fusions: Sequence
 
     from harness.standins.kernels import fusion_mode, install_cpu_norm
 
+    requests = [capture, *then]
     t0 = time.monotonic()
     try:
         if setup and setup not in _SETUP_DONE:
@@ -377,29 +384,35 @@ def run_case(checkpoint: str, prompts, tp: int, capture: dict, fusions: Sequence
         model_config, model = load(checkpoint)
         if tp > 1:
             install_cpu_norm(model)
-        request_captures(model, **capture)
-        ltc = _layers_to_capture(model) if capture else []
     except Exception:
         err = traceback.format_exc()
-        return [{"error": err} for _ in fusions]
-    results = []
+        return [{"error": err} for _ in requests for _ in fusions]
     load_seconds = time.monotonic() - t0
-    for fusion in fusions:
+    results = []
+    for request in requests:
         try:
-            t1 = time.monotonic()
-            with fusion_mode(fusion):
-                res = forward(model, model_config, prompts, tp, attention)
-            res["seconds"] = {"load": load_seconds, "forward": time.monotonic() - t1}
-            res["layers_to_capture"] = ltc
-            results.append(res)
+            request_captures(model, **request)
+            ltc = _layers_to_capture(model) if request else []
         except Exception:
-            results.append({"error": traceback.format_exc()})
+            err = traceback.format_exc()
+            results += [{"error": err} for _ in fusions]
+            continue
+        for fusion in fusions:
+            try:
+                t1 = time.monotonic()
+                with fusion_mode(fusion):
+                    res = forward(model, model_config, prompts, tp, attention)
+                res["seconds"] = {"load": load_seconds, "forward": time.monotonic() - t1}
+                res["layers_to_capture"] = ltc
+                results.append(res)
+            except Exception:
+                results.append({"error": traceback.format_exc()})
     return results
 
 
 def run_family(rank: int, world_size: int, cases: Sequence[dict]) -> list:
-    """Rank task: every case (``checkpoint``, ``prompts``, ``capture``, ``fusions``) on
-    this pool's TP; a list of per-fusion result lists, in order."""
+    """Rank task: every case (``checkpoint``, ``prompts``, ``capture``, ``fusions``, and
+    optionally ``then``) on this pool's TP; a list of result lists, in order."""
     return [run_case(c["checkpoint"], c["prompts"], world_size, c["capture"], c["fusions"],
-                     c.get("attention", "torch_native"), c.get("setup", ""))
+                     c.get("attention", "torch_native"), c.get("setup", ""), c.get("then", ()))
             for c in cases]

@@ -196,6 +196,11 @@ def references(selected_cases, rank_pool, tmp_path_factory):
     return out
 
 
+# Capture sets requested one after another on one loaded model: the same ids, only the
+# last layer's setting differs (runner.run_case's ``then``).
+FOLLOWS = {"post_norm": "eagle3"}
+
+
 def _run(rank_pool, references, tp: int) -> dict:
     """Every case of this TP in one call to a warm pool of ``tp`` ranks (each loads the
     checkpoint itself: TP sharding by SGLang's own weight loaders)."""
@@ -208,18 +213,24 @@ def _run(rank_pool, references, tp: int) -> dict:
             # tests use too: LongCat's config counts two attentions per layer.
             L = references[name]["ref"]["num_layers"]
             for set_name in SETS:
-                keys.append((name, set_name))
+                if set_name in FOLLOWS:
+                    continue
+                then = [s for s, first in FOLLOWS.items() if first == set_name]
+                keys.append([(name, s) for s in (set_name, *then)])
                 cases.append(dict(checkpoint=references[name]["checkpoint"],
                                   prompts=references[name]["prompts"],
                                   capture=capture_request(set_name, L),
+                                  then=[capture_request(s, L) for s in then],
                                   fusions=list(fam.fusions(tp)), attention=fam.attention,
                                   setup=fam.setup))
         per_rank = _pool(rank_pool, tp).run("harness.parity.runner:run_family", cases)
-        _RUNS[tp] = {
-            (key, fusion): [rank_results[i][j] for rank_results in per_rank]
-            for i, key in enumerate(keys)
-            for j, fusion in enumerate(cases[i]["fusions"])
-        }
+        _RUNS[tp] = {}
+        for i, case_keys in enumerate(keys):
+            fusions = cases[i]["fusions"]
+            for v, key in enumerate(case_keys):
+                for j, fusion in enumerate(fusions):
+                    _RUNS[tp][(key, fusion)] = [rank_results[i][v * len(fusions) + j]
+                                                for rank_results in per_rank]
     return _RUNS[tp]
 
 
