@@ -156,22 +156,15 @@ def capture_case(
     m = get_model(model)
     refs, ref_final = reference(model, num_tokens, mode)
     tbo_layers: List[int] = []
-    set_final = None
-    if final_layer_capture != "pre_norm":
-        from sglang.srt.layers.aux_hidden_states import set_final_layer_capture as set_final
-
     if list_only:
         m.layers_to_capture = list(layers_to_capture)
     else:
         spec.configure(m, layers_to_capture)
     try:
-        if set_final is not None:
-            set_final(final_layer_capture)
-        with fusion_mode(fusion), _tbo_executor(m, tbo_layers, enabled=tbo):
+        with (_final_layer_capture(final_layer_capture), fusion_mode(fusion),
+              _tbo_executor(m, tbo_layers, enabled=tbo)):
             final, aux = _forward(m, input_ids(num_tokens, spec.tiny.vocab_size), mode, tbo=tbo)
     finally:
-        if set_final is not None:
-            set_final("pre_norm")
         spec.configure(m, [])
     packed = as_packed(aux)
     want = sorted(set(layers_to_capture))
@@ -223,6 +216,24 @@ def tbo_plan(layers, forward_batch):
                            lambda *a, **k: types.SimpleNamespace(multi_processor_count=GPU_SMS)), \
             mock.patch.object(strategies, "DeepEPConfig", _DeepEPConfig):
         return strategies.OperationsStrategy.init_new_tbo(layers, mode)
+
+
+@contextlib.contextmanager
+def _final_layer_capture(value: str):
+    """The process's final-layer capture set to ``value`` for the block, as the model
+    runner sets it (``set_final_layer_capture``, patch final-layer-capture), then back to
+    ``pre_norm``. ``pre_norm`` touches nothing, so a tree without the setting runs the
+    default; any other value needs it (ImportError there)."""
+    if value == "pre_norm":
+        yield
+        return
+    from sglang.srt.layers.aux_hidden_states import set_final_layer_capture
+
+    set_final_layer_capture(value)
+    try:
+        yield
+    finally:
+        set_final_layer_capture("pre_norm")
 
 
 @contextlib.contextmanager
@@ -369,15 +380,9 @@ def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_toke
         def __getattr__(self, name):
             return getattr(model, name)
 
-    set_final = None
-    if final_layer_capture != "pre_norm":
-        from sglang.srt.layers.aux_hidden_states import set_final_layer_capture as set_final
-
     spec.configure(model, layers_to_capture)
     try:
-        if set_final is not None:
-            set_final(final_layer_capture)
-        with torch.no_grad():
+        with _final_layer_capture(final_layer_capture), torch.no_grad():
             eager = [t.clone() for t in _tensors(spec.run(model, ids, positions, make_forward_batch(ids)))]
             with torch._dynamo.config.patch(disable=False):
                 torch._dynamo.reset()
@@ -388,7 +393,5 @@ def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_toke
                 breaks = sorted(str(reason) for reason in counters["graph_break"])
                 torch._dynamo.reset()
     finally:
-        if set_final is not None:
-            set_final("pre_norm")
         spec.configure(model, [])
     return eager, compiled, breaks
