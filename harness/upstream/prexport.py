@@ -413,6 +413,10 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
         }, indent=2) + "\n")
         progress(f"  wrote {lay.rel(dest)} ({', '.join(patch_names)}); test fails without, passes with")
         written.append(dest)
+    # Information, not a gate: does each bundle still apply to the releases after its base?
+    from harness.upstream.drift import report_drift
+
+    report_drift(lay, written, {p.id: p.probes for p in patches})
     return written
 
 

@@ -151,6 +151,9 @@ def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | 
     (Forwarded: yes) that fixes ``sglang.answer``, and its upstream test template."""
     import harness.upstream.prexport as prexport
 
+    # The drift check after the export reads the package index: a dead one here, so it
+    # prints "not checked" at once instead of reaching PyPI from a unit test.
+    monkeypatch.setenv("HARNESS_INDEX_URL", "http://127.0.0.1:9/simple")
     root = tmp_path / "root"
     (root / "patches" / BASE).mkdir(parents=True)
     (root / "patches" / "pin.json").write_text(json.dumps({"version": PIN}))
