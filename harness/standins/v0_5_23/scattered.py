@@ -235,6 +235,14 @@ def scattered_capture_case(
     hidden = spec.tiny.hidden_size
     want = sorted(set(layers_to_capture))
 
+    # What init_dp_gathered_buffer does when the worker loads the model: the DP
+    # gather buffers take the model's hidden size and dtype. Set here, per case:
+    # another case in the same rank process may have set its own.
+    from sglang.srt.layers.dp_attention import _DpGatheredBufferWrapper
+
+    _DpGatheredBufferWrapper.set_metadata(
+        hidden, model.embed_tokens.weight.dtype, torch.device(device()))
+
     def forward(capture, hooks=None):
         record: Dict[str, Any] = {}
         spec.configure(model, list(capture))

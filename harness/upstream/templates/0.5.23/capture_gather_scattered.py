@@ -84,6 +84,14 @@ class TestStageCaptureGatherScattered(unittest.TestCase):
         planning_scope = planning(parallel)
         planning_scope.__enter__()
         self.addCleanup(planning_scope.__exit__, None, None, None)
+        # The attention-TP gather of the layout's moves, over the same group.
+        gather_scope = mock.patch.object(
+            attention,
+            "attn_tp_all_gather_into_tensor",
+            self.group.all_gather_into_tensor,
+        )
+        gather_scope.start()
+        self.addCleanup(gather_scope.stop)
         # The stages bind the input-scattered variant at construction, and a
         # q-lora attention (with a QKV hook) gathers after its projection.
         self.stages = make_test_stages(
