@@ -210,14 +210,16 @@ def test_qwen3_5_text_dflash_setter_takes_the_last_layer(sglang_tp1):
 
 @pytest.mark.guards("models-capture-by-index")
 def test_interns2_mobius_captures_by_the_list(sglang_tp1):
-    """The inherited qwen3_5 setter stores the list and flags nothing: the forward
-    must capture by the list, or it returns a bare tensor to a wrapper that unpacks."""
+    """The list is the only record (models-capture-by-index): code that sets
+    ``layers_to_capture`` itself, as qwen3_vl's wrapper does, gets K of K. Without
+    the patch interns2_mobius's own forward reads per-layer flags and captures nothing,
+    returning a bare tensor to a wrapper that unpacks a pair."""
     import torch
 
     from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 
     model = _build("interns2_mobius")
-    _set_ids(model, "interns2_mobius", [1, 2])
+    model.layers_to_capture = [1, 2]
     embeds = torch.randn(TOKENS, HIDDEN)
     _, aux = _forward(model, embeds.clone())
     assert aux is not None, "interns2_mobius: no aux hidden states came back"
