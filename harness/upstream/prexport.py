@@ -46,6 +46,10 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 PUSH_REF = "refs/heads/auxcap/{id}"
 DEFAULT_TEST_DIR = "test/registered/spec"
 INTERNAL_TRAILERS = ("Patch-Id", "Origin", "Forwarded", "Upstream-Status", "Drop-In", "Upstream-Probe")
+# Paragraphs of a series body that only the fork reads; pr-export drops them.
+FORK_SECTIONS = ("Fork-Testing:",)
+FORK_PATH = re.compile(r"tests/(?:multirank|patches|parity|e2e|memory|upstream|standins)/\S*"
+                       r"|make [a-z-]+|harness/\S+|BASE=\S+")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,14 +75,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def strip_trailers(body: str) -> str:
-    """Commit body without our internal trailer paragraph."""
+    """Commit body without our internal trailer paragraph and the fork-only paragraphs
+    (``Fork-Testing:``: the fork's own tests, which mean nothing upstream)."""
     paras = body.strip().split("\n\n")
     if paras:
         last = paras[-1].splitlines()
         if last and all(re.match(r"^[A-Za-z][A-Za-z0-9-]*:\s", x) for x in last):
             kept = [x for x in last if x.split(":", 1)[0] not in INTERNAL_TRAILERS]
             paras = paras[:-1] + (["\n".join(kept)] if kept else [])
+    paras = [x for x in paras if not x.startswith(FORK_SECTIONS)]
     return "\n\n".join(paras).strip()
+
+
+def fork_paths(body: str) -> list[str]:
+    """What an upstream body must not name: this repository's paths and make targets."""
+    return sorted(set(FORK_PATH.findall(body)))
 
 
 def template_for(patch_id: str, base: str | None = None) -> tuple[str, str] | None:
@@ -356,6 +367,10 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
         if tmpl is None:
             raise HarnessError(f"{p.name}: no upstream test template "
                                f"harness/upstream/templates/{lay.base}/{p.id.replace('-', '_')}.py")
+        leaked = fork_paths(strip_trailers(p.body))
+        if leaked:
+            raise HarnessError(f"{p.name}: the upstream body names fork paths outside its "
+                               f"Fork-Testing: paragraph: {', '.join(leaked)}")
         progress(f"{p.id}: building PR bundle on sglang {release}")
         dest = out / p.id
         if dest.exists():
@@ -471,6 +486,9 @@ def _base_description(p, release, test_path, deps, stat, without, with_patch) ->
         change = m.group(1).strip()
         lines += [change[:1].upper() + change[1:], ""]
     lines += [f"Based on SGLang v{release}. Files:", "", "```", stat, "```", ""]
+    related = re.search(r"(?ms)^Related:\s*(.+?)(?:\n\n[A-Z][a-z]+:|\Z)", body)
+    if related:
+        lines += ["## Related", "", related.group(1).strip(), ""]
     origin = p.trailers.get("Origin", "new")
     if origin.startswith("new, port of"):
         lines += [f"Port of {origin.split('port of', 1)[1].strip()}.", ""]

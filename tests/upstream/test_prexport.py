@@ -236,3 +236,15 @@ def test_every_forwarded_patch_of_another_base_has_a_template():
         missing = [p.name for p in load_series(layout(root, base=base))
                    if p.forwarded and template_for(p.id, base) is None]
         assert not missing, f"patches/{base}: no templates/{base}/ test for {missing}"
+
+
+def test_strip_trailers_drops_the_fork_only_paragraphs():
+    from harness.upstream.prexport import fork_paths
+
+    body = ("Bug: x.\n\nFix: y.\n\nTesting: test/registered/unit/test_x.py fails without.\n\n"
+            "Fork-Testing: tests/multirank/test_m.py; `make ablation BASE=0.5.23`.\n\n"
+            "Patch-Id: x\nForwarded: yes")
+    upstream = strip_trailers(body)
+    assert upstream == "Bug: x.\n\nFix: y.\n\nTesting: test/registered/unit/test_x.py fails without."
+    assert fork_paths(upstream) == []
+    assert fork_paths(body) == ["BASE=0.5.23`.", "make ablation", "tests/multirank/test_m.py;"]

@@ -3,8 +3,10 @@
 
 EAGLE3/DFlash capture index i is the input of layer i, so index ``end_layer``
 (the output of the last layer) is never reached inside the layer loop. The
-model must capture it with the final norm, before the norm updates the
-residual in place, and on an idle batch (which skips the final norm) too.
+model must capture it at the final norm, whose fused add + norm updates the
+residual in place: the capture is that updated residual (the last layer's
+output), not the norm's output; and on an idle batch (which skips the final
+norm) too.
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
 norm are small stand-ins on the real residual stream
@@ -119,14 +121,14 @@ class TestDeepseekV2CaptureFinalLayer(CustomTestCase):
         torch.testing.assert_close(aux[1], _output_of(embeds, 1))
         torch.testing.assert_close(aux[2], _output_of(embeds, num_layers - 1))
 
-    def test_final_capture_is_taken_before_the_in_place_norm(self):
+    def test_final_capture_is_the_updated_residual_not_the_norm_output(self):
         num_layers = 2
         embeds = torch.randn(TOKENS, HIDDEN)
         hidden, aux = _run(_model(num_layers, [1, num_layers]), embeds.clone())
         final = aux.split(HIDDEN, dim=-1)[-1]
         torch.testing.assert_close(final, _output_of(embeds, num_layers - 1))
-        # the norm halves the residual it updates in place; the capture keeps
-        # the norm's input
+        # the fused norm adds the last output into the residual in place and
+        # halves it for its output; the capture is the updated residual
         torch.testing.assert_close(hidden, final * 0.5)
 
     def test_idle_batch_captures_final_layer(self):

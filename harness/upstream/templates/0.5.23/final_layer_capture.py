@@ -18,6 +18,7 @@ DeepseekV2Model.forward (a packed collector) are the real ones.
 
 import types
 import unittest
+from unittest import mock
 
 import torch
 from torch import nn
@@ -30,7 +31,11 @@ from sglang.srt.layers.aux_hidden_states import (
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.model_runner_components import attention_backend_setup
+from sglang.srt.models.beam import BeamForCausalLM
 from sglang.srt.models.deepseek_v2 import DeepseekV2Model
+from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sglang.srt.models.kimi_linear import KimiLinearForCausalLM
 from sglang.srt.models.llama import LlamaModel
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -241,6 +246,45 @@ class TestResolveFinalLayerCapture(CustomTestCase):
         with self.assertRaises(ValueError):
             set_final_layer_capture("normed")
         self.assertFalse(final_layer_capture_post_norm())
+
+
+
+class TestInLoopModelsRefusePostNorm(CustomTestCase):
+    """Models whose last capture is taken inside the layer loop refuse post_norm
+    at start-up, before any setter runs, rather than serve pre_norm silently."""
+
+    def _configure(self, model, value):
+        with mock.patch.object(
+            attention_backend_setup,
+            "get_exec",
+            lambda: types.SimpleNamespace(
+                overlap=types.SimpleNamespace(enable_two_batch_overlap=False)
+            ),
+        ):
+            attention_backend_setup.configure_aux_hidden_state_capture(
+                model=model,
+                eagle_use_aux_hidden_state=False,
+                eagle_aux_hidden_state_layer_ids=None,
+                dflash_use_aux_hidden_state=True,
+                dflash_target_layer_ids=[0, 1],
+                is_dspark=True,
+                final_layer_capture=value,
+            )
+
+    def test_refused_at_start_up(self):
+        for model_cls in (BeamForCausalLM, KimiLinearForCausalLM, DeepseekV4ForCausalLM):
+            with self.subTest(model=model_cls.__name__):
+                model = model_cls.__new__(model_cls)
+                nn.Module.__init__(model)
+                calls = []
+                model.set_dflash_layers_to_capture = calls.append
+                model.set_dspark_layers_to_capture = calls.append
+                with self.assertRaisesRegex(ValueError, model_cls.__name__):
+                    self._configure(model, "post_norm")
+                self.assertEqual(calls, [])
+                self.assertFalse(final_layer_capture_post_norm())
+                self._configure(model, "pre_norm")
+                self.assertEqual(calls, [[0, 1]])
 
 
 if __name__ == "__main__":

@@ -4,15 +4,20 @@
 EAGLE3/DFlash capture index i is the input of layer i, so index ``end_layer``
 (the output of the last layer, which DFlash layer ids and EAGLE3 ids that
 include the last layer request) is never reached inside the layer loop. The
-model must capture it with the final norm, before the norm updates the
-residual in place, and on an idle batch (which skips the final norm) too.
-The models that flag their capturing layers must accept that index.
+model must capture it at the final norm (the residual the fused add + norm
+updates, not the norm's output), and on an idle batch (which skips the final
+norm) too. The models that flag their capturing layers must accept that
+index. One case per distinct forward: the list models, the flag models
+through their setters, the looped (nanbeige), top-k (glm5_next), folded
+(granitemoehybrid), plain-norm (muse_glimmer) and subclass (interns2_mobius)
+forwards.
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
 norm are small stand-ins on the real residual stream
 (``forward_batch.residual_stream``); each model's forward is the real one.
 """
 
+import inspect
 import types
 import unittest
 
@@ -23,9 +28,18 @@ from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.glm4_moe import Glm4MoeModel
+from sglang.srt.models.glm5_next import Glm5NextModel
+from sglang.srt.models.granitemoehybrid import GraniteMoeHybridModel
+from sglang.srt.models.interns2_mobius import InternS2MobiusForCausalLM
 from sglang.srt.models.llama import LlamaModel
+from sglang.srt.models.longcat_flash import LongcatFlashModel
+from sglang.srt.models.muse_glimmer import MuseGlimmerForCausalLM, MuseGlimmerModel
+from sglang.srt.models.nanbeige import NanbeigeModel
 from sglang.srt.models.qwen2_moe import Qwen2MoeModel
+from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM
 from sglang.srt.models.qwen3_moe import Qwen3MoeModel
+from sglang.srt.models.qwen3_next import Qwen3NextModel
+from sglang.srt.models.qwen3_vl import Qwen3LLMModel
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -45,17 +59,20 @@ class _Layer(nn.Module):
     the model), and records its own contribution for the next boundary.
     """
 
-    def __init__(self, layer_id):
+    def __init__(self, layer_id, returns_topk=False):
         super().__init__()
         self.layer_id = layer_id
+        self.returns_topk = returns_topk
 
     def forward(
         self,
-        positions,
-        hidden_states,
-        forward_batch,
+        positions=None,
+        hidden_states=None,
+        forward_batch=None,
+        *unused_args,
         capture_output=None,
         captured_last_layer_outputs=None,
+        **unused_kwargs,
     ):
         hidden_states = residual_batch.fold(hidden_states, forward_batch)
         if capture_output is not None:
@@ -64,13 +81,30 @@ class _Layer(nn.Module):
             captured_last_layer_outputs.capture(hidden_states)
         contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
         stream = residual_batch.stream_of(forward_batch)
-        return stream.record(contribution, PLAIN_ADD)
+        out = stream.record(contribution, PLAIN_ADD)
+        return (out, None) if self.returns_topk else out
+
+
+class _PlainLayer(nn.Module):
+    """A layer that returns the whole stream (no residual stream)."""
+
+    def __init__(self, layer_id):
+        super().__init__()
+        self.layer_id = layer_id
+
+    def forward(self, positions, hidden_states, forward_batch):
+        return hidden_states + float(self.layer_id + 1)
+
+
+class _PlainNorm(nn.Module):
+    def forward(self, hidden_states):
+        return hidden_states * 0.5
 
 
 class _InPlaceNorm(nn.Module):
     """Fused add + RMSNorm: updates its inputs in place, like the GPU kernel."""
 
-    def forward(self, hidden_states, residual=None):
+    def forward(self, hidden_states, residual=None, **unused_kwargs):
         if residual is None:
             return hidden_states.mul_(0.5)
         residual.add_(hidden_states)
@@ -81,12 +115,49 @@ class _InPlaceNorm(nn.Module):
 def _model(model_cls, layers_to_capture=()):
     model = model_cls.__new__(model_cls)
     nn.Module.__init__(model)
-    model.layers = nn.ModuleList([_Layer(i) for i in range(NUM_LAYERS)])
-    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model.layers = nn.ModuleList(
+        [
+            _Layer(i, model_cls in (Glm5NextModel, LongcatFlashModel))
+            for i in range(NUM_LAYERS)
+        ]
+    )
+    if isinstance(model, Qwen3_5ForCausalLM):  # properties over these
+        model._start_layer, model._end_layer = 0, NUM_LAYERS
+    else:
+        model.start_layer, model.end_layer = 0, NUM_LAYERS
     model.layers_to_capture = list(layers_to_capture)
     model.norm = _InPlaceNorm()
     model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
     model.first_k_dense_replace = 0
+    # Per-model attributes the forwards read (their __init__ is not run).
+    model.config = types.SimpleNamespace(
+        num_loops=1,
+        num_hidden_layers=NUM_LAYERS,
+        skip_loop_final_norm=True,
+        mhc=False,
+        embedding_multiplier=1.0,
+    )
+    model.dflash_capture = False
+    model.enable_a2a_moe = False
+    model.meta_mlp = None
+    model.hidden_size = HIDDEN
+    model.embedding_multiplier = 1.0
+    model.flashinfer_mnnvl_cutedsl_fusion = None
+    model.use_hf_deepstack_order = False
+    return model
+
+
+def _muse_glimmer(layers_to_capture):
+    model = MuseGlimmerModel.__new__(MuseGlimmerModel)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([_PlainLayer(i) for i in range(NUM_LAYERS)])
+    model.norm = _PlainNorm()
+    model.embed_norm = None
+    wrapper = MuseGlimmerForCausalLM.__new__(MuseGlimmerForCausalLM)
+    nn.Module.__init__(wrapper)
+    wrapper.model = model
+    # The wrapper's setter takes layer-input ids, as the model runner maps them.
+    wrapper.set_dflash_layers_to_capture(list(layers_to_capture))
     return model
 
 
@@ -96,11 +167,17 @@ def _run(model, embeds, idle=False):
         residual_stream=None,
         forward_mode=ForwardMode.IDLE if idle else ForwardMode.EXTEND,
     )
+    # Some forwards name it inputs_embeds.
+    embeds_arg = (
+        "inputs_embeds"
+        if "inputs_embeds" in inspect.signature(model.forward).parameters
+        else "input_embeds"
+    )
     return model.forward(
         input_ids=None,
         positions=torch.arange(embeds.shape[0]),
         forward_batch=forward_batch,
-        input_embeds=embeds,
+        **{embeds_arg: embeds},
     )
 
 
@@ -120,7 +197,7 @@ class TestModelsCaptureFinalLayer(CustomTestCase):
         for capture, layer_id in zip(aux, layers_to_capture):
             torch.testing.assert_close(capture, _output_of(embeds, layer_id - 1))
         # the norm halves the residual it updates in place; the final capture
-        # keeps the norm's input
+        # is that updated residual, not the norm's output
         torch.testing.assert_close(hidden, aux[-1] * 0.5)
 
     def test_llama(self):
@@ -147,6 +224,48 @@ class TestModelsCaptureFinalLayer(CustomTestCase):
         model = _model(Qwen3MoeModel)
         model.set_dflash_layers_to_capture(layers_to_capture)
         self._check_captures(model, layers_to_capture)
+
+    def test_every_list_forward(self):
+        # Each of these forwards captures by the list; one distinct path each.
+        for model_cls in (
+            GraniteMoeHybridModel,  # folds the stream before an unfused norm
+            LongcatFlashModel,  # collects into an AuxHiddenStateList
+            Qwen3LLMModel,  # qwen3_vl's language model (deepstack unused)
+            Glm5NextModel,  # layers return top-k indices
+            NanbeigeModel,  # looped: the last unrolled id
+            InternS2MobiusForCausalLM,  # its own forward over qwen3_5 layers
+        ):
+            with self.subTest(model=model_cls.__name__):
+                layers_to_capture = [1, NUM_LAYERS]
+                model = _model(model_cls, layers_to_capture)
+                self._check_captures(model, layers_to_capture)
+
+    def test_every_flag_setter(self):
+        for model_cls, setter in (
+            (Qwen3NextModel, "set_eagle3_layers_to_capture"),
+            (Qwen3_5ForCausalLM, "set_dflash_layers_to_capture"),
+        ):
+            with self.subTest(model=model_cls.__name__, setter=setter):
+                layers_to_capture = [1, NUM_LAYERS]
+                model = _model(model_cls)
+                getattr(model, setter)(layers_to_capture)
+                self._check_captures(model, layers_to_capture)
+
+    def test_muse_glimmer_takes_the_last_layer(self):
+        # Plain layers and an unfused norm: the last layer's output is the
+        # norm's input, and the setter must accept its id.
+        embeds = torch.randn(TOKENS, HIDDEN)
+        model = _muse_glimmer([1, NUM_LAYERS])
+        hidden, aux = model.forward(
+            input_ids=None,
+            positions=torch.arange(TOKENS),
+            forward_batch=None,
+            input_embeds=embeds.clone(),
+        )
+        self.assertEqual(len(aux), 2, "expected one capture per layer")
+        torch.testing.assert_close(aux[0], _output_of(embeds, 0))
+        torch.testing.assert_close(aux[1], _output_of(embeds, NUM_LAYERS - 1))
+        torch.testing.assert_close(hidden, aux[1] * 0.5)
 
     def test_no_final_capture_when_not_requested(self):
         layers_to_capture = [1, 2]

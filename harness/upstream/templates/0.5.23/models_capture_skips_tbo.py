@@ -6,7 +6,10 @@ With two-batch overlap (TBO), deepseek_v2 (its sparse layers) and qwen3_moe
 ``model_forward_stages``, whose stages take no EAGLE3/DFlash captures: the
 captures of those layers were dropped without an error. A model that captures
 must run every layer in the plain loop when the batch could run TBO; a model
-that does not capture still overlaps.
+that does not capture still overlaps. glm5_next (whose guard covered DFlash
+only) and minimax_m3 (no guard) get the same gate; OperationsStrategy has no
+TBO plan for their layer classes today, so for them it is a guard against the
+day it has one.
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
 norm are small stand-ins on the real residual stream
@@ -25,7 +28,7 @@ from torch import nn
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.models import deepseek_v2, qwen2_moe
+from sglang.srt.models import deepseek_v2, glm5_next, minimax_m3, qwen2_moe
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -55,10 +58,13 @@ class _Layer(nn.Module):
         hidden_states,
         forward_batch,
         *args,
+        capture_output=None,
         captured_last_layer_outputs=None,
         **kwargs,
     ):
         hidden_states = residual_batch.fold(hidden_states, forward_batch)
+        if capture_output is not None:
+            capture_output(hidden_states)
         if captured_last_layer_outputs is not None:
             captured_last_layer_outputs.capture(hidden_states)
         contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
@@ -80,7 +86,11 @@ def _model_forward_stages(
 ):
     """Runs the layers in order and, like the overlapped stages, captures nothing."""
     for layer in layers:
-        hidden_states = layer(positions, hidden_states, forward_batch)
+        hidden_states = layer(
+            positions=positions,
+            hidden_states=hidden_states,
+            forward_batch=forward_batch,
+        )
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
     return hidden_states
@@ -113,13 +123,53 @@ def _deepseek_v2(layers_to_capture):
     return model
 
 
+def _glm5_next(layers_to_capture):
+    model = glm5_next.Glm5NextModel.__new__(glm5_next.Glm5NextModel)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([_Layer(i, True) for i in range(NUM_LAYERS)])
+    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    # EAGLE3 ids: its own guard covered DFlash (dflash_capture) only
+    model.layers_to_capture = list(layers_to_capture)
+    model.dflash_capture = False
+    model.enable_a2a_moe = False
+    model.config = types.SimpleNamespace(mhc=False)
+    model.norm = _Norm()
+    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    model.first_k_dense_replace = 1
+    return model
+
+
+def _minimax_m3(layers_to_capture):
+    model = minimax_m3.MiniMaxM3Model.__new__(minimax_m3.MiniMaxM3Model)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([_Layer(i, False) for i in range(NUM_LAYERS)])
+    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model.layers_to_capture = list(layers_to_capture)
+    # its forward reads the flags its CausalLM's setter sets
+    for layer_id in layers_to_capture:
+        if layer_id < NUM_LAYERS:
+            model.layers[layer_id]._is_layer_to_capture = True
+    model.norm = _Norm()
+    model.finalize_norm = None
+    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    return model
+
+
+_MODULES = {
+    qwen2_moe.Qwen2MoeModel: qwen2_moe,
+    deepseek_v2.DeepseekV2Model: deepseek_v2,
+    glm5_next.Glm5NextModel: glm5_next,
+    minimax_m3.MiniMaxM3Model: minimax_m3,
+}
+
+
 def _run(model, embeds):
     forward_batch = types.SimpleNamespace(
         can_run_tbo=True,
         residual_stream=None,
         forward_mode=ForwardMode.EXTEND,
     )
-    module = qwen2_moe if isinstance(model, qwen2_moe.Qwen2MoeModel) else deepseek_v2
+    module = _MODULES[type(model)]
     with mock.patch.object(
         module, "model_forward_stages", side_effect=_model_forward_stages
     ) as stages:
@@ -164,6 +214,17 @@ class TestModelsCaptureSkipsTbo(CustomTestCase):
 
     def test_capturing_deepseek_v2_runs_outside_tbo(self):
         self._check(_deepseek_v2, [1, 2])
+
+    def test_capturing_glm5_next_eagle3_runs_outside_tbo(self):
+        self._check(_glm5_next, [1, 2])
+
+    def test_capturing_minimax_m3_runs_outside_tbo(self):
+        self._check(_minimax_m3, [1, 2])
+
+    def test_non_capturing_glm5_next_and_minimax_m3_overlap(self):
+        for build in (_glm5_next, _minimax_m3):
+            with self.subTest(model=build.__name__):
+                self._check_overlaps(build)
 
     def test_non_capturing_qwen2_moe_overlaps(self):
         self._check_overlaps(_qwen2_moe)
