@@ -1,9 +1,10 @@
 """Peak memory of a whole model's capture path: the pin's list against the packer.
 
 A list-capturing model family (llama) is measured before and after the series, side
-by side in one process: the pristine pin's ``llama.py`` (read from the verified pin
-wheel and loaded under a module name of its own, so it runs against the same SGLang)
-and the patched one, each as a tiny real ``LlamaModel`` with CPU stand-ins. For each,
+by side in one process: the pristine ``llama.py`` of the active base (the pin, or
+0.5.23 with ``HARNESS_BASE``; read from that release's verified wheel and loaded under
+a module name of its own, so it runs against the same SGLang; the result's ``pin``
+key) and the patched one, each as a tiny real ``LlamaModel`` with CPU stand-ins. For each,
 two exact live-storage peaks: the capture path's (the captures the forward hands over
 plus what the logits processor's ``pack_aux_hidden_states`` adds: 2 x K*T*H*itemsize
 for a list, 1 x packed), and the whole forward + pack, with and without captures
