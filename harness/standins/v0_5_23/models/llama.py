@@ -27,6 +27,8 @@ SPECS = [
         # attn_boundary.prepare at TP > 1 (fused_attn_input): fusion modes apply.
         defers=True,
         pin_bugs=frozenset({"B", "C"}),
+        # B: the first family of the 0.5.23 packer migration (one patch per family).
+        fixed_by={"B": "llama-aux-packer"},
         layer_output=layer_output,
         run=run_plain,
         wraps=("llama.py: LlamaForCausalLM, Phi3ForCausalLM, InternLM3ForCausalLM",),
