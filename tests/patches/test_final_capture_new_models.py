@@ -264,12 +264,110 @@ def test_post_norm_last_capture_is_the_final_norm_output(sglang_tp1, name):
     torch.testing.assert_close(last, hidden)
 
 
-# The models whose last capture is taken inside their layer loop (or, deepseek_v4,
-# before its hyper-connection head): module, the class the model runner configures.
+def _kimi_linear(ids):
+    """KimiLinearModel: capture ids are layer outputs, each a snapshot after its layer;
+    the last layer's is taken in the loop, or (post_norm) after the final norm."""
+    from torch import nn
+
+    from sglang.srt.models.kimi_linear import KimiLinearModel
+
+    StreamLayer, Norm = _stream_layer_cls()
+    model = KimiLinearModel.__new__(KimiLinearModel)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([StreamLayer(i) for i in range(NUM_LAYERS)])
+    model.norm = Norm()
+    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model.dspark_layers_to_capture = list(ids)
+    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    return model
+
+
+def _muse_spark(ids):
+    """MuseSpark1xModel: an fp32 residual stream, layers that return (stream, next
+    attention input), capture ids that are layer outputs (in operator dtype)."""
+    import torch
+    from torch import nn
+
+    from sglang.srt.models.muse_spark import MuseSpark1xModel
+
+    class Layer(nn.Module):
+        def __init__(self, layer_id):
+            super().__init__()
+            self.layer_id = layer_id
+
+        def self_attn_input_norm(self, stream):
+            return stream
+
+        def forward(self, positions, stream, attn_input, forward_batch):
+            return stream + 10.0 * (self.layer_id + 1), stream
+
+    class Norm(nn.Module):
+        def forward(self, hidden_states):
+            return hidden_states * 3.0 - 1.0
+
+    model = MuseSpark1xModel.__new__(MuseSpark1xModel)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([Layer(i) for i in range(NUM_LAYERS)])
+    model.norm = Norm()
+    model.embed_norm = None
+    model.residual_dtype = torch.float64
+    model.operator_dtype = torch.float32
+    model.layers_to_capture = list(ids)
+    return model
+
+
+def _output_ids_forward(name, model, embeds):
+    import torch
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    forward_batch = types.SimpleNamespace(
+        can_run_tbo=False, residual_stream=None, forward_mode=ForwardMode.EXTEND)
+    kw = {"inputs_embeds" if name == "kimi_linear" else "input_embeds": embeds}
+    return model.forward(input_ids=None, positions=torch.arange(embeds.shape[0]),
+                         forward_batch=forward_batch, **kw)
+
+
+@pytest.mark.guards("final-layer-capture")
+@pytest.mark.parametrize("name", ["kimi_linear", "muse_spark"])
+@pytest.mark.parametrize("value", ["pre_norm", "post_norm"])
+def test_in_loop_models_serve_both_sides_of_the_final_norm(sglang_tp1, name, value):
+    """Their ids name layer outputs and the last one was taken inside the loop:
+    pre_norm keeps it there (the stream entering the final norm), post_norm takes the
+    final norm's output instead."""
+    import torch
+
+    from sglang.srt.layers.aux_hidden_states import (
+        final_layer_capture_post_norm,
+        set_final_layer_capture,
+    )
+
+    ids = [0, NUM_LAYERS - 1]
+    model = (_kimi_linear if name == "kimi_linear" else _muse_spark)(ids)
+    embeds = torch.randn(TOKENS, HIDDEN, dtype=torch.float32)
+    before = "post_norm" if final_layer_capture_post_norm() else "pre_norm"
+    set_final_layer_capture(value)
+    try:
+        hidden, aux = _output_ids_forward(name, model, embeds.clone())
+    finally:
+        set_final_layer_capture(before)
+    assert len(aux) == 2, f"{name}: {len(aux)} captures for 2 ids"
+    first, last = (t.to(torch.float32) for t in aux)
+    torch.testing.assert_close(first, _after(embeds, 1))
+    stream = _after(embeds, NUM_LAYERS)
+    torch.testing.assert_close(hidden.to(torch.float32), stream * 3.0 - 1.0)
+    torch.testing.assert_close(last, stream if value == "pre_norm" else stream * 3.0 - 1.0)
+    if value == "post_norm":
+        assert last.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr()
+
+
+# The models whose last capture cannot follow the final norm: module, the class the
+# model runner configures. beam and inkling capture it inside their layer loops (two
+# loop variants each: a fused path, and inkling's capture precedes the layer's deferred
+# short convolution by design), deepseek_v4's final norm follows its hyper-connection
+# head.
 REFUSE_POST_NORM = [
     ("beam", "BeamForCausalLM"),
-    ("kimi_linear", "KimiLinearForCausalLM"),
-    ("muse_spark", "MuseSparkTextForCausalLM"),
     ("inkling", "InklingForConditionalGeneration"),
     ("deepseek_v4", "DeepseekV4ForCausalLM"),
 ]
@@ -314,3 +412,51 @@ def test_in_loop_models_refuse_post_norm_at_start_up(sglang_tp1, module, cls):
     # pre_norm, what they serve, still configures.
     _configure(model, "pre_norm")
     assert set_calls == [[0, 1]]
+
+
+@pytest.mark.guards("models-capture-skips-tbo")
+@pytest.mark.parametrize("name", ["glm5_next", "minimax_m3"])
+def test_capturing_model_runs_no_layer_through_tbo_stages(sglang_tp1, name):
+    """glm5_next gated two-batch overlap on DFlash captures only, minimax_m3 not at all:
+    a TBO batch with EAGLE3 captures ran its layers through ``model_forward_stages``,
+    whose stages take no captures. (Latent today: OperationsStrategy has no TBO plan for
+    either layer class.)"""
+    from unittest import mock
+
+    import torch
+
+    from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    if name == "glm5_next":
+        from sglang.srt.models import glm5_next as module
+
+        model = _build("glm5_next")
+        model.first_k_dense_replace = 1
+    else:
+        from torch import nn
+
+        from sglang.srt.models import minimax_m3 as module
+
+        StreamLayer, Norm = _stream_layer_cls()
+        model = module.MiniMaxM3Model.__new__(module.MiniMaxM3Model)
+        nn.Module.__init__(model)
+        model.layers = nn.ModuleList([StreamLayer(i) for i in range(NUM_LAYERS)])
+        model.norm = Norm()
+        model.finalize_norm = None
+        model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+        model.start_layer, model.end_layer = 0, NUM_LAYERS
+    ids = [1, 2]
+    model.layers_to_capture = list(ids)
+    for i in ids:  # minimax_m3's forward reads the flags its CausalLM's setter sets
+        model.layers[i]._is_layer_to_capture = True
+    embeds = torch.randn(TOKENS, HIDDEN)
+    forward_batch = types.SimpleNamespace(can_run_tbo=True, residual_stream=None,
+                                          forward_mode=ForwardMode.EXTEND)
+    with mock.patch.object(module, "model_forward_stages") as stages:
+        out = model.forward(input_ids=None, positions=torch.arange(TOKENS),
+                            forward_batch=forward_batch, input_embeds=embeds.clone())
+    assert not stages.called, f"{name}: layers went through the TBO stages while capturing"
+    _, aux = out
+    torch.testing.assert_close(pack_aux_hidden_states(aux),
+                               torch.cat([_after(embeds, 1), _after(embeds, 2)], dim=-1))
