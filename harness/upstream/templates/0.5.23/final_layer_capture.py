@@ -124,6 +124,7 @@ def _forward(model, embeds, idle=False):
     forward_batch = types.SimpleNamespace(
         can_run_tbo=False,
         residual_stream=None,
+        aux_hidden_states_buffer=None,
         forward_mode=ForwardMode.IDLE if idle else ForwardMode.EXTEND,
     )
     hidden, aux = model.forward(

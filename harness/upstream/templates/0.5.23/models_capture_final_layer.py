@@ -165,6 +165,7 @@ def _run(model, embeds, idle=False):
     forward_batch = types.SimpleNamespace(
         can_run_tbo=False,
         residual_stream=None,
+        aux_hidden_states_buffer=None,
         forward_mode=ForwardMode.IDLE if idle else ForwardMode.EXTEND,
     )
     # Some forwards name it inputs_embeds.
@@ -181,6 +182,11 @@ def _run(model, embeds, idle=False):
     )
 
 
+def _captures(aux):
+    """The captures one by one, from a list or from a packed [T, K * H] tensor."""
+    return aux.split(HIDDEN, dim=-1) if isinstance(aux, torch.Tensor) else aux
+
+
 def _output_of(embeds, layer_id):
     # Layer k adds k + 1, so its output is the embedding plus 1 + ... + (k + 1).
     return embeds + float(sum(range(1, layer_id + 2)))
@@ -190,6 +196,7 @@ class TestModelsCaptureFinalLayer(CustomTestCase):
     def _check_captures(self, model, layers_to_capture):
         embeds = torch.randn(TOKENS, HIDDEN)
         hidden, aux = _run(model, embeds.clone())
+        aux = _captures(aux)
         self.assertEqual(
             len(aux), len(layers_to_capture), "expected one capture per layer"
         )
@@ -273,7 +280,7 @@ class TestModelsCaptureFinalLayer(CustomTestCase):
             with self.subTest(model=model_cls.__name__):
                 model = _model(model_cls, layers_to_capture)
                 _, aux = _run(model, torch.randn(TOKENS, HIDDEN))
-                self.assertEqual(len(aux), 2)
+                self.assertEqual(len(_captures(aux)), 2)
 
 
 if __name__ == "__main__":
