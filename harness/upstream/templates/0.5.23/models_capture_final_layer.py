@@ -240,11 +240,20 @@ class TestModelsCaptureFinalLayer(CustomTestCase):
             Qwen3LLMModel,  # qwen3_vl's language model (deepstack unused)
             Glm5NextModel,  # layers return top-k indices
             NanbeigeModel,  # looped: the last unrolled id
-            InternS2MobiusForCausalLM,  # its own forward over qwen3_5 layers
         ):
             with self.subTest(model=model_cls.__name__):
                 layers_to_capture = [1, NUM_LAYERS]
                 model = _model(model_cls, layers_to_capture)
+                self._check_captures(model, layers_to_capture)
+
+    def test_interns2_mobius_through_qwen3_5_setters(self):
+        # Its own forward over qwen3_5's layers, set up by qwen3_5's setters (as
+        # its wrappers do).
+        for setter in ("set_eagle3_layers_to_capture", "set_dflash_layers_to_capture"):
+            with self.subTest(setter=setter):
+                layers_to_capture = [1, NUM_LAYERS]
+                model = _model(InternS2MobiusForCausalLM)
+                getattr(model, setter)(layers_to_capture)
                 self._check_captures(model, layers_to_capture)
 
     def test_every_flag_setter(self):
