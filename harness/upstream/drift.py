@@ -27,7 +27,6 @@ from harness.patchset.layout import Layout, layout
 from harness.patchset.pin import load_pin
 from harness.patchset.pypi import fetch_index, pick_wheel, release_wheel, releases_after, version_key
 from harness.patchset.scratch import scratch
-from harness.patchset.series import patch_files, patch_message
 from harness.upstream.probes import ZipTree, combine, run_probes
 from harness.upstream.status import Patch, check_apply, lay_out_release, load_series
 
@@ -50,13 +49,6 @@ class Bundle:
         return sorted({f for p in self.deps + self.patches for f in p.files})
 
 
-def as_patch(path: Path) -> Patch:
-    """A ``git format-patch`` file as :class:`Patch` (what :func:`check_apply` takes)."""
-    text = path.read_text(errors="replace")
-    subject, body, trailers = patch_message(text)
-    return Patch(path.name, path, text, subject, body, trailers, patch_files(text))
-
-
 def load_bundle(dest: Path) -> Bundle:
     meta = json.loads((dest / "bundle.json").read_text())
     missing = [k for k in ("id", "base_release", "patches") if not meta.get(k)]
@@ -64,8 +56,8 @@ def load_bundle(dest: Path) -> Bundle:
         raise HarnessError(f"{dest / 'bundle.json'}: no {', '.join(missing)}")
     return Bundle(
         dir=dest, id=meta["id"], base_release=meta["base_release"],
-        deps=[as_patch(p) for p in sorted((dest / "deps").glob("*.patch"))],
-        patches=[as_patch(dest / n) for n in meta["patches"]],
+        deps=[Patch.from_file(p) for p in sorted((dest / "deps").glob("*.patch"))],
+        patches=[Patch.from_file(dest / n) for n in meta["patches"]],
     )
 
 

@@ -65,6 +65,13 @@ class Patch:
     trailers: dict[str, str]
     files: list[str]
 
+    @classmethod
+    def from_file(cls, path: Path, name: str | None = None) -> "Patch":
+        """A ``git format-patch`` file (``name``: as the series lists it)."""
+        text = path.read_text(errors="replace")
+        subject, body, trailers = patch_message(text)
+        return cls(name or path.name, path, text, subject, body, trailers, patch_files(text))
+
     @property
     def id(self) -> str:
         return self.trailers.get("Patch-Id") or self.name
@@ -106,9 +113,7 @@ def load_series(lay: Layout) -> list[Patch]:
         p = lay.patches / n
         if not p.exists():
             raise HarnessError(f"series: {n} listed but missing")
-        text = p.read_text(errors="replace")
-        subject, body, trailers = patch_message(text)
-        out.append(Patch(n, p, text, subject, body, trailers, patch_files(text)))
+        out.append(Patch.from_file(p, n))
     return out
 
 
