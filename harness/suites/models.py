@@ -161,7 +161,7 @@ def capture_case(
     else:
         spec.configure(m, layers_to_capture)
     try:
-        with (_final_layer_capture(final_layer_capture), fusion_mode(fusion),
+        with (serving_final_layer_capture(final_layer_capture), fusion_mode(fusion),
               _tbo_executor(m, tbo_layers, enabled=tbo)):
             final, aux = _forward(m, input_ids(num_tokens, spec.tiny.vocab_size), mode, tbo=tbo)
     finally:
@@ -219,7 +219,7 @@ def tbo_plan(layers, forward_batch):
 
 
 @contextlib.contextmanager
-def _final_layer_capture(value: str):
+def serving_final_layer_capture(value: str):
     """The process's final-layer capture set to ``value`` for the block, as the model
     runner sets it (``set_final_layer_capture``, patch final-layer-capture), then back to
     ``pre_norm``. ``pre_norm`` touches nothing, so a tree without the setting runs the
@@ -382,7 +382,7 @@ def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_toke
 
     spec.configure(model, layers_to_capture)
     try:
-        with _final_layer_capture(final_layer_capture), torch.no_grad():
+        with serving_final_layer_capture(final_layer_capture), torch.no_grad():
             eager = [t.clone() for t in _tensors(spec.run(model, ids, positions, make_forward_batch(ids)))]
             with torch._dynamo.config.patch(disable=False):
                 torch._dynamo.reset()
