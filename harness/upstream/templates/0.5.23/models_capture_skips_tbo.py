@@ -96,25 +96,26 @@ def _model_forward_stages(
     return hidden_states
 
 
-def _qwen2_moe(layers_to_capture):
-    model = qwen2_moe.Qwen2MoeModel.__new__(qwen2_moe.Qwen2MoeModel)
+def _bare(model_cls, returns_topk):
+    """``model_cls`` without its __init__: stand-in layers and norm, one stage."""
+    model = model_cls.__new__(model_cls)
     nn.Module.__init__(model)
-    model.layers = nn.ModuleList([_Layer(i, False) for i in range(NUM_LAYERS)])
+    model.layers = nn.ModuleList([_Layer(i, returns_topk) for i in range(NUM_LAYERS)])
     model.start_layer, model.end_layer = 0, NUM_LAYERS
     model.norm = _Norm()
     model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    return model
+
+
+def _qwen2_moe(layers_to_capture):
+    model = _bare(qwen2_moe.Qwen2MoeModel, False)
     model.set_eagle3_layers_to_capture(list(layers_to_capture))
     return model
 
 
 def _deepseek_v2(layers_to_capture):
-    model = deepseek_v2.DeepseekV2Model.__new__(deepseek_v2.DeepseekV2Model)
-    nn.Module.__init__(model)
-    model.layers = nn.ModuleList([_Layer(i, True) for i in range(NUM_LAYERS)])
-    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model = _bare(deepseek_v2.DeepseekV2Model, True)
     model.layers_to_capture = list(layers_to_capture)
-    model.norm = _Norm()
-    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
     model.use_dsa = False
     # the dense layer runs in the plain loop, the sparse ones overlap
     model.first_k_dense_replace = 1
@@ -124,34 +125,24 @@ def _deepseek_v2(layers_to_capture):
 
 
 def _glm5_next(layers_to_capture):
-    model = glm5_next.Glm5NextModel.__new__(glm5_next.Glm5NextModel)
-    nn.Module.__init__(model)
-    model.layers = nn.ModuleList([_Layer(i, True) for i in range(NUM_LAYERS)])
-    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model = _bare(glm5_next.Glm5NextModel, True)
     # EAGLE3 ids: its own guard covered DFlash (dflash_capture) only
     model.layers_to_capture = list(layers_to_capture)
     model.dflash_capture = False
     model.enable_a2a_moe = False
     model.config = types.SimpleNamespace(mhc=False)
-    model.norm = _Norm()
-    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
     model.first_k_dense_replace = 1
     return model
 
 
 def _minimax_m3(layers_to_capture):
-    model = minimax_m3.MiniMaxM3Model.__new__(minimax_m3.MiniMaxM3Model)
-    nn.Module.__init__(model)
-    model.layers = nn.ModuleList([_Layer(i, False) for i in range(NUM_LAYERS)])
-    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    model = _bare(minimax_m3.MiniMaxM3Model, False)
     model.layers_to_capture = list(layers_to_capture)
     # its forward reads the flags its CausalLM's setter sets
     for layer_id in layers_to_capture:
         if layer_id < NUM_LAYERS:
             model.layers[layer_id]._is_layer_to_capture = True
-    model.norm = _Norm()
     model.finalize_norm = None
-    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
     return model
 
 
