@@ -10,25 +10,24 @@ wheel per release, cached), the bundle's ``deps/*.patch`` then its own patch go 
 ``Upstream-Probe`` finds it in the release). Each ``bundle.json`` gets a ``drift`` key.
 
 Drift is information, not a gate: an unreachable index with nothing cached gives one line
-``drift: not checked: <reason>`` and no error. Run alone:
-``python -m harness.upstream.drift [BUNDLE_DIR ...]`` (default: every ``build/pr/*/``).
+``drift: not checked: <reason>`` and no error. ``pr-export`` runs it after the bundles
+are written (:func:`report_drift`).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness import HarnessError, progress
-from harness.patchset.layout import Layout, layout
+from harness.patchset.layout import Layout
 from harness.patchset.pin import load_pin
 from harness.patchset.pypi import fetch_index, pick_wheel, release_wheel, releases_after, version_key
 from harness.patchset.scratch import scratch
 from harness.upstream.probes import ZipTree, combine, run_probes
-from harness.upstream.status import Patch, check_apply, lay_out_release, load_series
+from harness.upstream.status import Patch, check_apply, lay_out_release
 
 CURRENT, BEHIND, NOT_CHECKED = "current", "behind", "not checked"
 
@@ -59,14 +58,6 @@ def load_bundle(dest: Path) -> Bundle:
         deps=[Patch.from_file(p) for p in sorted((dest / "deps").glob("*.patch"))],
         patches=[Patch.from_file(dest / n) for n in meta["patches"]],
     )
-
-
-def series_probes(lay: Layout) -> dict[str, list[str]]:
-    """{patch id: Upstream-Probe ids} of the base's series ({} when it has none)."""
-    try:
-        return {p.id: p.probes for p in load_series(lay)}
-    except (HarnessError, OSError):
-        return {}
 
 
 # ---------------------------------------------------------------- one bundle on one release
@@ -186,7 +177,7 @@ def cell_line(cell: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- entry points
 
 
-def report_drift(lay: Layout, dirs: list[Path], probes: dict[str, list[str]] | None = None) -> dict[str, Any]:
+def report_drift(lay: Layout, dirs: list[Path], probes: dict[str, list[str]]) -> dict[str, Any]:
     """Check, record in each bundle.json and print. Never raises for the index, a wheel or
     a bundle: drift is information (one ``drift: not checked: ...`` line instead)."""
     if not dirs:
@@ -194,7 +185,7 @@ def report_drift(lay: Layout, dirs: list[Path], probes: dict[str, list[str]] | N
     try:
         bundles = [load_bundle(d) for d in dirs]
         package = load_pin(lay).get("package", "sglang")
-        drift = check_drift(lay, bundles, series_probes(lay) if probes is None else probes, package)
+        drift = check_drift(lay, bundles, probes, package)
         record(bundles, drift)
     except (HarnessError, OSError, ValueError, KeyError) as exc:
         progress(f"drift: not checked: {exc}")
@@ -202,15 +193,3 @@ def report_drift(lay: Layout, dirs: list[Path], probes: dict[str, list[str]] | N
     for line in render(drift, package):
         progress(line)
     return drift
-
-
-def main(argv: list[str] | None = None) -> int:
-    lay = layout()
-    args = sys.argv[1:] if argv is None else argv
-    dirs = [Path(a) for a in args] or sorted(p.parent for p in (lay.build / "pr").glob("*/bundle.json"))
-    report_drift(lay, dirs)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -162,7 +162,7 @@ def test_unreachable_index_is_one_line_and_no_error(root, monkeypatch, capsys):
 
 def test_unreadable_bundle_is_not_checked(root, capsys):
     (root / "build" / "pr" / PID / "bundle.json").write_text("{}")
-    assert drift.report_drift(layout(root), [root / "build" / "pr" / PID]) == {}
+    assert drift.report_drift(layout(root), [root / "build" / "pr" / PID], {}) == {}
     [line] = capsys.readouterr().out.splitlines()
     assert line.startswith("drift: not checked: ") and "no id, base_release, patches" in line
 
