@@ -442,12 +442,27 @@ def _pristine_clone(tree: Path, tag: str, dest: Path) -> Path:
     return dest
 
 
+def overlapping_prefix(p, prefix: list) -> list:
+    """The earlier patches ``p`` can need: those that touch a file it touches, or a file
+    one of them touches (transitively), in series order. A patch on files of its own
+    stays out, so two families of the same migration do not depend on each other."""
+    files = set(p.files)
+    need = []
+    for q in reversed(prefix):
+        if files & set(q.files):
+            need.append(q)
+            files |= set(q.files)
+    return need[::-1]
+
+
 def _apply_alone_or_with_prefix(repo: Path, p, prefix: list, release: str) -> list:
     """``git am`` the patch on the pristine release; when it needs earlier patches of the
-    series, those go first (returned: the bundle's deps/)."""
+    series, those that overlap it go first (:func:`overlapping_prefix`; returned: the
+    bundle's deps/)."""
     if git(repo, "am", "--keep-cr", "--no-3way", str(p.path), check=False).returncode == 0:
         return []
     git(repo, "am", "--abort", check=False)
+    prefix = overlapping_prefix(p, prefix)
     for q in prefix:
         if git(repo, "am", "--keep-cr", "--no-3way", str(q.path), check=False).returncode != 0:
             git(repo, "am", "--abort", check=False)

@@ -1,11 +1,13 @@
-"""LlamaModel's packed aux hidden states on 0.5.23 (patch llama-aux-packer): the
-forward returns one [T, K * H] buffer, fills a DFlash decode graph's shared buffer when
-the batch carries one, and its CausalLM reports that buffer's width to the model runner.
+"""The packed aux hidden states of the 0.5.23 packer migration, one family per patch
+(llama-aux-packer, qwen-aux-packer, gpt-oss-aux-packer): the forward returns one
+[T, K * H] buffer, fills a DFlash decode graph's shared buffer when the batch carries
+one, and its CausalLM reports that buffer's width to the model runner.
 
-A tiny real ``LlamaModel`` (CPU stand-ins for attention and MLP only, as in the model
-matrix). That the packed captures equal the layers' complete outputs is checked for
-every model in ``tests/patches/test_model_forward.py`` (``test_returns_packed_captures``,
-llama guarded by this patch); here the run without a graph buffer is the reference.
+Tiny real models (CPU stand-ins for attention and MLP only, as in the model matrix).
+That the packed captures equal the layers' complete outputs is checked for every model
+in ``tests/patches/test_model_forward.py`` (``test_returns_packed_captures``, each
+migrated model guarded by its family's patch); here the run without a graph buffer is
+the reference.
 """
 
 from __future__ import annotations
@@ -15,20 +17,36 @@ import types
 
 import pytest
 
-pytestmark = [pytest.mark.bases("0.5.23"), pytest.mark.guards("llama-aux-packer")]
+pytestmark = pytest.mark.bases("0.5.23")
 
 TOKENS = 7
-LAYERS = [2, 4, 8]  # 8 = end_layer of the 8-layer tiny model: the final norm's capture
+LAYERS = [2, 4, 8]  # 8 = end_layer of the 8-layer tiny models: the final norm's capture
+
+# Each migrated model (its spec), the CausalLM the model runner holds, and the patch.
+FAMILIES = {
+    "llama": ("sglang.srt.models.llama", "LlamaForCausalLM", "llama-aux-packer"),
+    "qwen2": ("sglang.srt.models.qwen2", "Qwen2ForCausalLM", "qwen-aux-packer"),
+    "qwen3": ("sglang.srt.models.qwen3", "Qwen3ForCausalLM", "qwen-aux-packer"),
+    "qwen2_moe": ("sglang.srt.models.qwen2_moe", "Qwen2MoeForCausalLM", "qwen-aux-packer"),
+    "qwen3_moe": ("sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM", "qwen-aux-packer"),
+    "gpt_oss": ("sglang.srt.models.gpt_oss", "GptOssForCausalLM", "gpt-oss-aux-packer"),
+}
+PARAMS = [pytest.param(name, marks=pytest.mark.guards(patch), id=name)
+          for name, (_, _, patch) in FAMILIES.items()]
+
+_BUILT: dict = {}
 
 
-@pytest.fixture(scope="module")
-def llama(sglang_tp1):
+def _tiny(name):
+    """The spec at float32 and its tiny real model, built once per worker."""
     from harness.standins.models import build, specs
 
-    spec = specs()["llama"]
-    tiny = dataclasses.replace(spec.tiny, dtype="float32")
-    spec = dataclasses.replace(spec, tiny=tiny)
-    return spec, build(spec, tiny)
+    if name not in _BUILT:
+        spec = specs()[name]
+        tiny = dataclasses.replace(spec.tiny, dtype="float32")
+        spec = dataclasses.replace(spec, tiny=tiny)
+        _BUILT[name] = spec, build(spec, tiny)
+    return _BUILT[name]
 
 
 def _run(spec, model, layers, buffer=None):
@@ -49,12 +67,13 @@ def _run(spec, model, layers, buffer=None):
     return out
 
 
-def test_decode_graph_buffer_is_filled_in_place(llama):
+@pytest.mark.parametrize("name", PARAMS)
+def test_decode_graph_buffer_is_filled_in_place(sglang_tp1, name):
     """A DFlash decode graph hands every batch a slice of one shared buffer
     (``buffers.aux_hidden_states[:num_tokens]``); the packed result is that storage."""
     import torch
 
-    spec, model = llama
+    spec, model = _tiny(name)
     _, packed = _run(spec, model, LAYERS)
     assert isinstance(packed, torch.Tensor), f"a {type(packed).__name__} came back, not the packed tensor"
     width = len(LAYERS) * spec.tiny.hidden_size
@@ -66,18 +85,22 @@ def test_decode_graph_buffer_is_filled_in_place(llama):
     assert torch.isnan(shared[TOKENS:]).all(), "wrote past the batch's slice"
 
 
-def test_causal_lm_reports_the_packed_width(llama):
+@pytest.mark.parametrize("name", PARAMS)
+def test_causal_lm_reports_the_packed_width(sglang_tp1, name):
     """What ``ModelRunner.get_aux_hidden_states_width`` reads to size that buffer: the
     real setter, then the real method; 0 until capture is configured."""
+    import importlib
+
     from torch import nn
 
     from sglang.srt.model_executor.model_runner_components.misc_utils import (
         resolve_aux_hidden_states_width,
     )
-    from sglang.srt.models.llama import LlamaForCausalLM
 
-    spec, model = llama
-    lm = LlamaForCausalLM.__new__(LlamaForCausalLM)
+    module, cls, _ = FAMILIES[name]
+    lm_cls = getattr(importlib.import_module(module), cls)
+    spec, model = _tiny(name)
+    lm = lm_cls.__new__(lm_cls)
     nn.Module.__init__(lm)
     lm.model = model
     lm.config = types.SimpleNamespace(hidden_size=spec.tiny.hidden_size,
@@ -95,4 +118,4 @@ def test_causal_lm_reports_the_packed_width(llama):
         assert resolve_aux_hidden_states_width(model=lm, spec_algorithm=dflash,
                                                is_draft_worker=True) == 0
     finally:
-        model.layers_to_capture = []
+        spec.configure(model, [])

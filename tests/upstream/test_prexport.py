@@ -248,3 +248,21 @@ def test_strip_trailers_drops_the_fork_only_paragraphs():
     assert upstream == "Bug: x.\n\nFix: y.\n\nTesting: test/registered/unit/test_x.py fails without."
     assert fork_paths(upstream) == []
     assert fork_paths(body) == ["BASE=0.5.23`.", "make ablation", "tests/multirank/test_m.py;"]
+
+
+def test_deps_are_the_prefix_that_overlaps_the_patch():
+    """A bundle's deps: the earlier patches on its files, and on theirs (transitively);
+    an earlier patch on files of its own (another family) stays out."""
+    from types import SimpleNamespace as P
+
+    from harness.upstream.prexport import overlapping_prefix
+
+    core = P(id="core", files=["a.py", "b.py"])
+    family_b = P(id="b", files=["b.py"])
+    other = P(id="other", files=["c.py"])
+    first = P(id="first", files=["a.py", "d.py"])
+    unrelated = P(id="unrelated", files=["e.py"])
+    prefix = [unrelated, first, core, other, family_b]
+    assert [q.id for q in overlapping_prefix(P(files=["b.py"]), prefix)] == ["first", "core", "b"]
+    assert [q.id for q in overlapping_prefix(P(files=["c.py"]), prefix)] == ["other"]
+    assert overlapping_prefix(P(files=["f.py"]), prefix) == []

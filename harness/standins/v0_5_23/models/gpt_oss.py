@@ -24,6 +24,8 @@ SPECS = [
         # layer's attn_boundary.prepare at TP > 1 (fused_attn_input).
         defers=True,
         pin_bugs=frozenset({"B"}),
+        # B: the GPT-OSS family of the 0.5.23 packer migration.
+        fixed_by={"B": "gpt-oss-aux-packer"},
         layer_output=layer_output,
         run=run_plain,
         wraps=("internvl.py (GptOssForCausalLM as its language model)",),

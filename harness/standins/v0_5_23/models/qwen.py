@@ -61,6 +61,8 @@ SPECS = [
                                 "Qwen2MLP": {"gate_up_proj": None}}),
         config=_qwen2_config,
         pin_bugs=frozenset({"B", "C", "R"}),
+        # B: the Qwen2/Qwen3 family of the 0.5.23 packer migration.
+        fixed_by={"B": "qwen-aux-packer"},
         wraps=(
             "qwen2.py: Qwen2ForCausalLM",
             "qwen2_5_vl.py: Qwen2_5_VLForConditionalGeneration (self.model = Qwen2Model)",
@@ -75,6 +77,8 @@ SPECS = [
         build_patches=standins(_QWEN3),
         config=_qwen3_config,
         pin_bugs=frozenset({"B", "C"}),
+        # B: the Qwen2/Qwen3 family of the 0.5.23 packer migration.
+        fixed_by={"B": "qwen-aux-packer"},
         wraps=("qwen3.py: Qwen3ForCausalLM",),
         note="Own forward since 0.5.23 (qwen3.py 523-540): capture_output at "
         "attn_boundary.prepare; K-1 of K, silently.",
@@ -89,6 +93,8 @@ SPECS = [
         config=_qwen2_moe_config,
         configure=_configure_flags,
         pin_bugs=frozenset({"B", "C", "R", "L"}),
+        # B: the Qwen2/Qwen3 family of the 0.5.23 packer migration.
+        fixed_by={"B": "qwen-aux-packer"},
         wraps=("qwen2_moe.py: Qwen2MoeForCausalLM",),
         note="capture_gathered through per-layer _is_layer_to_capture flags "
         "(qwen2_moe.py 1196-1202); set_eagle3_layers_to_capture's setattr raises "
@@ -104,6 +110,8 @@ SPECS = [
         config=_qwen3_moe_config,
         configure=_configure_flags,
         pin_bugs=frozenset({"B", "C", "T", "L"}),
+        # B: the Qwen2/Qwen3 family of the 0.5.23 packer migration.
+        fixed_by={"B": "qwen-aux-packer"},
         wraps=(
             "qwen3_moe.py: Qwen3MoeForCausalLM",
             "qwen3_vl_moe.py: Qwen3MoeLLMModel subclasses it but overrides forward "
