@@ -474,23 +474,58 @@ def _apply_alone_or_with_prefix(repo: Path, p, prefix: list, release: str) -> li
 
 
 def _run_test(tree: Path, test_path: str) -> dict[str, Any]:
-    """``python3 <test>`` in ``tree`` with ``tree/python`` first on the import path."""
-    import os
-    import subprocess
-    import sys
+    """``python3 <test>`` in ``tree`` with ``tree/python`` first on the import path: run
+    as ``__main__`` in a fork of a server that has imported the third-party packages
+    only (:mod:`harness.upstream.preload`), so SGLang comes from ``tree`` and each run
+    starts clean."""
+    import multiprocessing
+    import tempfile
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        x for x in (str(tree / "python"), os.environ.get("PYTHONPATH")) if x))
-    cmd = [sys.executable, test_path]
-    try:
-        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT)
-        rc, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, output = 124, f"timed out after {TEST_TIMEOUT}s\n" + str(exc.stdout or "")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["harness.upstream.preload"])
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        proc = ctx.Process(target=_run_as_main, args=(str(tree), test_path, log.name))
+        proc.start()
+        proc.join(TEST_TIMEOUT)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            rc, output = 124, f"timed out after {TEST_TIMEOUT}s\n"
+        else:
+            rc, output = proc.exitcode, ""
+        output += Path(log.name).read_text(errors="replace")
     lines = [x for x in output.strip().splitlines() if x.strip()]
     tail = [x for x in lines if not x.lstrip().startswith(("warnings.warn", "/"))][-12:]
     summary = next((x for x in reversed(lines) if x.startswith(("OK", "FAILED", "Ran "))), f"exit {rc}")
     return {"rc": rc, "tail": tail, "summary": summary.strip(), "last": tail[-1] if tail else f"exit {rc}"}
+
+
+def _run_as_main(tree: str, test_path: str, log: str) -> None:
+    """In the forked child: stdout and stderr (file descriptors too) to ``log``, the
+    tree's ``python/`` first on ``sys.path``, ``test_path`` as ``__main__``; exits with
+    its status (an uncaught exception: 1, as ``python3`` does)."""
+    import os
+    import runpy
+    import sys
+    import traceback
+
+    fd = os.open(log, os.O_WRONLY | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(tree)
+    sys.path.insert(0, os.path.join(tree, "python"))
+    sys.argv = [test_path]
+    try:
+        runpy.run_path(test_path, run_name="__main__")
+        rc = 0
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def _base_description(p, release, test_path, deps, stat, without, with_patch) -> str:

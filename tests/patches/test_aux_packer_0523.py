@@ -1,7 +1,7 @@
 """The packed aux hidden states of the 0.5.23 packer migration, one family per patch
-(llama-aux-packer, qwen-aux-packer, gpt-oss-aux-packer): the forward returns one
-[T, K * H] buffer, fills a DFlash decode graph's shared buffer when the batch carries
-one, and its CausalLM reports that buffer's width to the model runner.
+(llama-aux-packer, qwen-aux-packer, gpt-oss-aux-packer, glm4-aux-packer): the forward
+returns one [T, K * H] buffer, fills a DFlash decode graph's shared buffer when the batch
+carries one, and its CausalLM reports that buffer's width to the model runner.
 
 Tiny real models (CPU stand-ins for attention and MLP only, as in the model matrix).
 That the packed captures equal the layers' complete outputs is checked for every model
@@ -30,6 +30,10 @@ FAMILIES = {
     "qwen2_moe": ("sglang.srt.models.qwen2_moe", "Qwen2MoeForCausalLM", "qwen-aux-packer"),
     "qwen3_moe": ("sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM", "qwen-aux-packer"),
     "gpt_oss": ("sglang.srt.models.gpt_oss", "GptOssForCausalLM", "gpt-oss-aux-packer"),
+    "glm4": ("sglang.srt.models.glm4", "Glm4ForCausalLM", "glm4-aux-packer"),
+    "glm4_moe": ("sglang.srt.models.glm4_moe", "Glm4MoeForCausalLM", "glm4-aux-packer"),
+    "glm4_moe_lite": ("sglang.srt.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM",
+                      "glm4-aux-packer"),
 }
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(patch), id=name)
           for name, (_, _, patch) in FAMILIES.items()]

@@ -58,6 +58,8 @@ SPECS = [
         # UnreducedOutput, no fused kernel at TP > 1: checked).
         defers=False,
         pin_bugs=frozenset({"B", "C", "U"}),
+        # B: the GLM-4 family of the 0.5.23 packer migration.
+        fixed_by={"B": "glm4-aux-packer"},
         layer_output=layer_output,
         run=run_plain,
         wraps=(
@@ -85,6 +87,8 @@ SPECS = [
         config=_glm4_moe_config,
         defers=True,
         pin_bugs=frozenset({"B", "C", "R"}),
+        # B: the GLM-4 family of the 0.5.23 packer migration.
+        fixed_by={"B": "glm4-aux-packer"},
         layer_output=layer_output,
         run=run_plain,
         wraps=(
@@ -105,6 +109,8 @@ SPECS = [
         config=_glm4_moe_lite_config,
         defers=True,
         pin_bugs=frozenset({"B", "C"}),
+        # B: the GLM-4 family of the 0.5.23 packer migration.
+        fixed_by={"B": "glm4-aux-packer"},
         layer_output=layer_output,
         # As Glm4MoeLiteForCausalLM.forward (maybe_input_scattered; a no-op here:
         # AttnTpContext.init_context is called only by DeepSeek/GLM-5 models).
