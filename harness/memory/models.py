@@ -15,6 +15,7 @@ the logits processor runs after them).
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import sys
 import types
 import zipfile
@@ -38,6 +39,9 @@ def pin_module(name: str):
         source = zf.read(f"sglang/srt/models/{name}.py").decode()
     module = types.ModuleType(mod_name)
     module.__file__ = f"{wheel}/sglang/srt/models/{name}.py"
+    # Its source for inspect (Triton's @jit reads the kernels it defines): the path
+    # lies inside the wheel, so linecache holds it (mtime None: checkcache keeps it).
+    linecache.cache[module.__file__] = (len(source), None, source.splitlines(True), module.__file__)
     module.__package__ = "sglang.srt.models"
     sys.modules[mod_name] = module
     exec(compile(source, module.__file__, "exec"), module.__dict__)

@@ -1,5 +1,5 @@
-"""Exact peak bytes of each migrated family's capture path on 0.5.23 (llama-aux-packer,
-qwen-aux-packer, gpt-oss-aux-packer, glm4-aux-packer).
+"""Exact peak bytes of each migrated family's capture path on 0.5.23 (llama-, qwen-,
+gpt-oss-, glm4- and minimax-m2-aux-packer).
 
 The pristine 0.5.23 model file (read from the verified release wheel, loaded under a
 module name of its own) against the patched one, each a tiny real model with CPU
@@ -21,7 +21,7 @@ FORWARDS = [pytest.param("llama", marks=pytest.mark.guards("llama-aux-packer"))]
 ] + [pytest.param("gpt_oss", marks=pytest.mark.guards("gpt-oss-aux-packer"))] + [
     pytest.param(name, marks=pytest.mark.guards("glm4-aux-packer"))
     for name in ("glm4", "glm4_moe", "glm4_moe_lite")
-]
+] + [pytest.param("minimax_m2", marks=pytest.mark.guards("minimax-m2-aux-packer"))]
 
 
 def _same(got, want, allocs):

@@ -1,7 +1,7 @@
 """The packed aux hidden states of the 0.5.23 packer migration, one family per patch
-(llama-aux-packer, qwen-aux-packer, gpt-oss-aux-packer, glm4-aux-packer): the forward
-returns one [T, K * H] buffer, fills a DFlash decode graph's shared buffer when the batch
-carries one, and its CausalLM reports that buffer's width to the model runner.
+(llama-, qwen-, gpt-oss-, glm4- and minimax-m2-aux-packer): the forward returns one
+[T, K * H] buffer, fills a DFlash decode graph's shared buffer when the batch carries
+one, and its CausalLM reports that buffer's width to the model runner.
 
 Tiny real models (CPU stand-ins for attention and MLP only, as in the model matrix).
 That the packed captures equal the layers' complete outputs is checked for every model
@@ -34,6 +34,8 @@ FAMILIES = {
     "glm4_moe": ("sglang.srt.models.glm4_moe", "Glm4MoeForCausalLM", "glm4-aux-packer"),
     "glm4_moe_lite": ("sglang.srt.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM",
                       "glm4-aux-packer"),
+    "minimax_m2": ("sglang.srt.models.minimax_m2", "MiniMaxM2ForCausalLM",
+                   "minimax-m2-aux-packer"),
 }
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(patch), id=name)
           for name, (_, _, patch) in FAMILIES.items()]

@@ -30,6 +30,8 @@ SPECS = [
         config=_config,
         defers=True,
         pin_bugs=frozenset({"B", "C", "R"}),
+        # B: the MiniMax-M2 family of the 0.5.23 packer migration.
+        fixed_by={"B": "minimax-m2-aux-packer"},
         layer_output=layer_output,
         run=run_plain,
         wraps=("minimax_m2.py: MiniMaxM2ForCausalLM (set_eagle3_layers_to_capture only)",),
