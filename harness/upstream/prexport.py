@@ -32,7 +32,6 @@ import argparse
 import json
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from harness.patchset.git import git
 from harness.patchset.layout import Layout, layout
 from harness.patchset.pin import load_pin
 from harness.patchset.scratch import scratch
+from harness.upstream import zygote
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PUSH_REF = "refs/heads/auxcap/{id}"
@@ -392,8 +392,8 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
             stat = git(repo, "diff", "--stat", "pr-base..HEAD").stdout.rstrip()
             # Verify on fresh pristine trees, as a reviewer would: apply --check, then
             # the test without the patch (must fail) and with it (must pass). The two
-            # runs are independent (each imports SGLang in its own interpreter), so they
-            # go side by side on two trees.
+            # runs are independent (each a fork that imports SGLang from its own tree:
+            # harness.upstream.zygote), so they go side by side on two trees.
             without_tree, with_tree = (_pristine_clone(lay.tree, tag, Path(tmp) / name)
                                        for name in ("without", "with"))
             for tree in (without_tree, with_tree):
@@ -406,8 +406,9 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
             git(with_tree, "apply", *map(str, pf))  # adds the test too
             (without_tree / test_path).parent.mkdir(parents=True, exist_ok=True)
             (without_tree / test_path).write_text(test_src)
-            with ThreadPoolExecutor(max_workers=2) as pool:
-                without, with_patch = pool.map(lambda t: _run_test(t, test_path), (without_tree, with_tree))
+            logs = [Path(tmp) / f"{name}.log" for name in ("without", "with")]
+            statuses = zygote.shared(TEST_TIMEOUT).run([(without_tree, test_path, logs[0]), (with_tree, test_path, logs[1])])
+            without, with_patch = (_test_result(rc, log) for rc, log in zip(statuses, logs))
         if without["rc"] == 0:
             raise HarnessError(f"{p.id}: {test_path} passes on pristine {release} without {p.name}: "
                                "it does not test the bug")
@@ -473,59 +474,13 @@ def _apply_alone_or_with_prefix(repo: Path, p, prefix: list, release: str) -> li
     return list(prefix)
 
 
-def _run_test(tree: Path, test_path: str) -> dict[str, Any]:
-    """``python3 <test>`` in ``tree`` with ``tree/python`` first on the import path: run
-    as ``__main__`` in a fork of a server that has imported the third-party packages
-    only (:mod:`harness.upstream.preload`), so SGLang comes from ``tree`` and each run
-    starts clean."""
-    import multiprocessing
-    import tempfile
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["harness.upstream.preload"])
-    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-        proc = ctx.Process(target=_run_as_main, args=(str(tree), test_path, log.name))
-        proc.start()
-        proc.join(TEST_TIMEOUT)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-            rc, output = 124, f"timed out after {TEST_TIMEOUT}s\n"
-        else:
-            rc, output = proc.exitcode, ""
-        output += Path(log.name).read_text(errors="replace")
+def _test_result(rc: int, log: Path) -> dict[str, Any]:
+    """A run's status and the lines of its log a reader needs."""
+    output = (f"timed out after {TEST_TIMEOUT}s\n" if rc == 124 else "") + log.read_text(errors="replace")
     lines = [x for x in output.strip().splitlines() if x.strip()]
     tail = [x for x in lines if not x.lstrip().startswith(("warnings.warn", "/"))][-12:]
     summary = next((x for x in reversed(lines) if x.startswith(("OK", "FAILED", "Ran "))), f"exit {rc}")
     return {"rc": rc, "tail": tail, "summary": summary.strip(), "last": tail[-1] if tail else f"exit {rc}"}
-
-
-def _run_as_main(tree: str, test_path: str, log: str) -> None:
-    """In the forked child: stdout and stderr (file descriptors too) to ``log``, the
-    tree's ``python/`` first on ``sys.path``, ``test_path`` as ``__main__``; exits with
-    its status (an uncaught exception: 1, as ``python3`` does)."""
-    import os
-    import runpy
-    import sys
-    import traceback
-
-    fd = os.open(log, os.O_WRONLY | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.chdir(tree)
-    sys.path.insert(0, os.path.join(tree, "python"))
-    sys.argv = [test_path]
-    try:
-        runpy.run_path(test_path, run_name="__main__")
-        rc = 0
-    except SystemExit as exc:
-        rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        rc = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
 
 
 def _base_description(p, release, test_path, deps, stat, without, with_patch) -> str:
