@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import pytest
 
+from harness.standins.models import specs
+
 pytestmark = pytest.mark.bases("0.5.23")
 
-FORWARDS = [pytest.param("llama", marks=pytest.mark.guards("llama-aux-packer"))] + [
-    pytest.param(name, marks=pytest.mark.guards("qwen-aux-packer"))
-    for name in ("qwen2", "qwen3", "qwen2_moe")
-] + [pytest.param("gpt_oss", marks=pytest.mark.guards("gpt-oss-aux-packer"))] + [
-    pytest.param(name, marks=pytest.mark.guards("glm4-aux-packer"))
-    for name in ("glm4", "glm4_moe", "glm4_moe_lite")
-] + [pytest.param("minimax_m2", marks=pytest.mark.guards("minimax-m2-aux-packer"))]
+# Each guards the spec's own fix for B (its family's packer patch).
+FORWARDS = [
+    pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")))
+    for name in ("llama", "qwen2", "qwen3", "qwen2_moe", "gpt_oss", "glm4", "glm4_moe",
+                 "glm4_moe_lite", "minimax_m2")
+]
 
 
 def _same(got, want, allocs):
@@ -38,7 +39,6 @@ def _same(got, want, allocs):
 def test_goes_from_twice_to_once_the_captures(sglang_tp1, name, tokens):
     from harness.memory.models import model_capture_peaks
     from harness.standins.kernels import device
-    from harness.standins.models import specs
 
     # The 0.5.23 stand-ins are built at the spec's own width. Layers below the last:
     # pristine 0.5.23 never captures the last layer.

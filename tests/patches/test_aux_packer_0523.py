@@ -17,35 +17,36 @@ import types
 
 import pytest
 
+from harness.standins.models import specs
+
 pytestmark = pytest.mark.bases("0.5.23")
 
 TOKENS = 7
 LAYERS = [2, 4, 8]  # 8 = end_layer of the 8-layer tiny models: the final norm's capture
 
-# Each migrated model (its spec), the CausalLM the model runner holds, and the patch.
-FAMILIES = {
-    "llama": ("sglang.srt.models.llama", "LlamaForCausalLM", "llama-aux-packer"),
-    "qwen2": ("sglang.srt.models.qwen2", "Qwen2ForCausalLM", "qwen-aux-packer"),
-    "qwen3": ("sglang.srt.models.qwen3", "Qwen3ForCausalLM", "qwen-aux-packer"),
-    "qwen2_moe": ("sglang.srt.models.qwen2_moe", "Qwen2MoeForCausalLM", "qwen-aux-packer"),
-    "qwen3_moe": ("sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM", "qwen-aux-packer"),
-    "gpt_oss": ("sglang.srt.models.gpt_oss", "GptOssForCausalLM", "gpt-oss-aux-packer"),
-    "glm4": ("sglang.srt.models.glm4", "Glm4ForCausalLM", "glm4-aux-packer"),
-    "glm4_moe": ("sglang.srt.models.glm4_moe", "Glm4MoeForCausalLM", "glm4-aux-packer"),
-    "glm4_moe_lite": ("sglang.srt.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM",
-                      "glm4-aux-packer"),
-    "minimax_m2": ("sglang.srt.models.minimax_m2", "MiniMaxM2ForCausalLM",
-                   "minimax-m2-aux-packer"),
+# Each migrated model (its spec) and the CausalLM the model runner holds, from the
+# spec's module; the patch each guards is the spec's own fix for B.
+CAUSAL_LM = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
-PARAMS = [pytest.param(name, marks=pytest.mark.guards(patch), id=name)
-          for name, (_, _, patch) in FAMILIES.items()]
+PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
+          for name in CAUSAL_LM]
 
 _BUILT: dict = {}
 
 
 def _tiny(name):
     """The spec at float32 and its tiny real model, built once per worker."""
-    from harness.standins.models import build, specs
+    from harness.standins.models import build
 
     if name not in _BUILT:
         spec = specs()[name]
@@ -103,9 +104,8 @@ def test_causal_lm_reports_the_packed_width(sglang_tp1, name):
         resolve_aux_hidden_states_width,
     )
 
-    module, cls, _ = FAMILIES[name]
-    lm_cls = getattr(importlib.import_module(module), cls)
     spec, model = _tiny(name)
+    lm_cls = getattr(importlib.import_module(spec.module), CAUSAL_LM[name])
     lm = lm_cls.__new__(lm_cls)
     nn.Module.__init__(lm)
     lm.model = model
