@@ -214,6 +214,10 @@ def build_tree(
         if expected != tree_sha:
             raise HarnessError(f"source tree hash mismatch: pin.json says {expected}, wheel tree is {tree_sha}")
     git(dest, "init", "-q", f"--initial-branch={BRANCH}")
+    # Bytecode written next to the sources (a python run outside tox, which caches it
+    # under PYTHONPYCACHEPREFIX) is not a change to the tree.
+    (dest / ".git" / "info").mkdir(exist_ok=True)
+    (dest / ".git" / "info" / "exclude").write_text("__pycache__/\n*.py[co]\n")
     git(dest, "add", "-A", "-f", ".")
     date = f"{pin.get('released', '2026-01-01')}T00:00:00+0000"
     env = {

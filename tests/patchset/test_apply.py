@@ -122,6 +122,20 @@ def test_dirty_tree_refused_then_force(root: Path) -> None:
     assert "line_10 = 100" in (lay.tree / "python" / MOD).read_text()
 
 
+def test_bytecode_in_the_tree_is_not_a_change(root: Path) -> None:
+    """A python run outside tox writes __pycache__/ next to the sources; the tree stays
+    up to date (a new, untracked .py file still makes it dirty)."""
+    lay = layout(root)
+    apply_patches(lay)
+    cache = (lay.tree / "python" / MOD).parent / "__pycache__"
+    cache.mkdir()
+    (cache / "mod.cpython-311.pyc").write_bytes(b"\0")
+    assert apply_patches(lay) == "up to date"
+    (lay.tree / "python" / "stray.py").write_text("x = 1\n")
+    with pytest.raises(HarnessError, match="uncommitted"):
+        apply_patches(lay)
+
+
 def test_unexported_commit_refused(root: Path) -> None:
     lay = layout(root)
     apply_patches(lay)
