@@ -1,5 +1,5 @@
-"""Exact peak bytes of each migrated family's capture path on 0.5.23 (llama-, qwen-,
-gpt-oss-, glm4- and minimax-m2-aux-packer).
+"""Exact peak bytes of each migrated family's capture path on 0.5.23 (the *-aux-packer
+patches; each model's is its spec's fix for B).
 
 The pristine 0.5.23 model file (read from the verified release wheel, loaded under a
 module name of its own) against the patched one, each a tiny real model with CPU
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.bases("0.5.23")
 FORWARDS = [
     pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")))
     for name in ("llama", "qwen2", "qwen3", "qwen2_moe", "gpt_oss", "glm4", "glm4_moe",
-                 "glm4_moe_lite", "minimax_m2")
+                 "glm4_moe_lite", "minimax_m2", "apertus", "arcee", "llama4")
 ]
 
 

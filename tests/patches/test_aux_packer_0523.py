@@ -1,5 +1,5 @@
 """The packed aux hidden states of the 0.5.23 packer migration, one family per patch
-(llama-, qwen-, gpt-oss-, glm4- and minimax-m2-aux-packer): the forward returns one
+(the *-aux-packer patches; each model's is its spec's fix for B): the forward returns one
 [T, K * H] buffer, fills a DFlash decode graph's shared buffer when the batch carries
 one, and its CausalLM reports that buffer's width to the model runner.
 
@@ -37,6 +37,9 @@ CAUSAL_LM = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "apertus": "ApertusForCausalLM",
+    "arcee": "ArceeForCausalLM",
+    "llama4": "Llama4ForCausalLM",
 }
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
           for name in CAUSAL_LM]

@@ -54,6 +54,7 @@ SPECS = [
         config=_llama4_config,
         defers=True,
         pin_bugs=frozenset({"B", "C"}),
+        fixed_by={"B": "llama-style-aux-packer"},
         layer_output=layer_output,
         run=run_plain,
         wraps=(

@@ -73,6 +73,7 @@ SPECS = [
         build_patches=standins({"ApertusAttention": {}, "ApertusMLP": {}}),
         config=_apertus_config,
         pin_bugs=frozenset({"B", "C", "R"}),
+        fixed_by={"B": "llama-style-aux-packer"},
         wraps=("apertus.py: ApertusForCausalLM",),
         note="capture_output at attn_boundary.prepare (apertus.py 366-374); final_norm "
         "without capture: K-1 of K. forward_split_prefill never captures.",
@@ -85,6 +86,7 @@ SPECS = [
         build_patches=standins({"ArceeAttention": {}, "ArceeMLP": {}}),
         config=_arcee_config,
         pin_bugs=frozenset({"B", "C", "U"}),
+        fixed_by={"B": "llama-style-aux-packer"},
         wraps=("arcee.py: ArceeForCausalLM",),
         note="no capture setter: the capture path is dead code; driven by setting "
         "layers_to_capture directly (capture_output at attn_boundary.prepare, 340-354).",
