@@ -40,6 +40,9 @@ CAUSAL_LM = {
     "apertus": "ApertusForCausalLM",
     "arcee": "ArceeForCausalLM",
     "llama4": "Llama4ForCausalLM",
+    "exaone_moe": "ExaoneMoEForCausalLM",
+    "longcat_flash": "LongcatFlashForCausalLM",
+    "bailing_moe": "BailingMoEForCausalLM",
 }
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
           for name in CAUSAL_LM]

@@ -33,6 +33,7 @@ SPECS = [
         defers=True,
         embed_attr="word_embeddings",
         pin_bugs=frozenset({"B", "C", "R"}),
+        fixed_by={"B": "moe-models-aux-packer"},
         layer_output=layer_output,
         run=run_plain,
         wraps=(

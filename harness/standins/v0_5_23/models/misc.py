@@ -105,6 +105,7 @@ SPECS = [
         }),
         config=_exaone_moe_config,
         pin_bugs=frozenset({"B", "C", "R"}),
+        fixed_by={"B": "moe-models-aux-packer"},
         wraps=("exaone_moe.py: ExaoneMoEForCausalLM",),
         note="capture_output at attn_boundary.prepare (exaone_moe.py 599-617); K-1 of "
         "K. forward_split_prefill never captures.",
@@ -116,6 +117,7 @@ SPECS = [
         build_patches=_longcat_patches,
         config=_longcat_config,
         pin_bugs=frozenset({"B", "C", "R"}),
+        fixed_by={"B": "moe-models-aux-packer"},
         wraps=("longcat_flash.py: LongcatFlashForCausalLM",),
         note="Captures residual_batch.snapshot(hidden_states) at the top of the loop "
         "for i in layers_to_capture (longcat_flash.py 617-623): the same function the "
