@@ -22,7 +22,8 @@ FORWARDS = [
     pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")))
     for name in ("llama", "qwen2", "qwen3", "qwen2_moe", "gpt_oss", "glm4", "glm4_moe",
                  "glm4_moe_lite", "minimax_m2", "apertus", "arcee", "llama4", "exaone_moe",
-                 "longcat_flash", "bailing_moe")
+                 "longcat_flash", "bailing_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_next",
+                 "qwen3_5")
 ]
 
 

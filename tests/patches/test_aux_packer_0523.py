@@ -43,6 +43,11 @@ CAUSAL_LM = {
     "exaone_moe": "ExaoneMoEForCausalLM",
     "longcat_flash": "LongcatFlashForCausalLM",
     "bailing_moe": "BailingMoEForCausalLM",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
           for name in CAUSAL_LM]

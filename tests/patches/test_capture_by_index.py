@@ -45,3 +45,27 @@ def test_list_alone_captures_k_of_k(sglang_tp1, name, set_name):
     assert torch.equal(res["captures"], res["expected"]), (
         f"{name}: captures differ from the layers' outputs"
     )
+
+
+@pytest.mark.bases("0.5.23")
+@pytest.mark.guards("models-capture-by-index")
+def test_no_forward_under_the_list_setters_reads_a_flag(sglang_tp1):
+    """The setters flag no layer any more, so a forward that still reads the flag
+    captures nothing in its loop. 0.5.23 adds forwards of their own that run under
+    these models' setters (interns2_mobius and qwen4_exp subclass Qwen3_5ForCausalLM):
+    each must read the list too. A check of the forwards' source: Qwen4ExpModel's
+    hyper-connection and PLE stack has no CPU stand-in to run it on."""
+    import importlib
+    import inspect
+
+    names = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5", "interns2_mobius", "qwen4_exp")
+    mods = [importlib.import_module(f"sglang.srt.models.{m}") for m in names]
+    bases = (mods[0].Qwen2MoeModel, mods[2].Qwen3NextModel, mods[3].Qwen3_5ForCausalLM)
+    forwards = [cls for mod in mods for cls in vars(mod).values()
+                if inspect.isclass(cls) and issubclass(cls, bases)
+                and cls.__module__ == mod.__name__ and "forward" in vars(cls)]
+    assert {c.__name__ for c in forwards} >= {"Qwen3_5ForCausalLM", "Qwen4ExpModel",
+                                               "InternS2MobiusForCausalLM"}, forwards
+    readers = [f"{c.__module__}.{c.__qualname__}" for c in forwards
+               if "_is_layer_to_capture" in inspect.getsource(c.forward)]
+    assert not readers, f"forwards that still read the layer flag: {readers}"

@@ -86,7 +86,11 @@ def _build(name):
     model.norm = Norm()
     model.layers_to_capture = []
     model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
-    if name != "interns2_mobius":  # qwen3_5's properties: 0 and len(self.layers)
+    if name == "interns2_mobius":
+        # What make_layers returns without PP (interns2_mobius.py __init__), read by
+        # qwen3_5's start_layer / end_layer properties.
+        model._start_layer, model._end_layer = 0, NUM_LAYERS
+    else:
         model.start_layer, model.end_layer = 0, NUM_LAYERS
     if name == "glm5_next":
         model.dflash_capture = False
@@ -149,7 +153,7 @@ def _forward(model, embeds, idle=False, tbo=False, embeds_kw="input_embeds"):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     forward_batch = types.SimpleNamespace(
-        can_run_tbo=tbo, residual_stream=None,
+        can_run_tbo=tbo, residual_stream=None, aux_hidden_states_buffer=None,
         forward_mode=ForwardMode.IDLE if idle else ForwardMode.EXTEND)
     out = model.forward(input_ids=None, positions=torch.arange(embeds.shape[0]),
                         forward_batch=forward_batch, **{embeds_kw: embeds})

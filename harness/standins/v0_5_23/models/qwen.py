@@ -130,6 +130,7 @@ SPECS = [
         config=_qwen3_vl_config,
         construct=_keyword_construct,
         pin_bugs=frozenset({"B", "C", "R"}),
+        fixed_by={"B": "qwen3-vl-aux-packer"},
         wraps=("qwen3_vl.py: Qwen3VLForConditionalGeneration",),
         note="Own forward (qwen3_vl.py 1207-1290) over Qwen3DecoderLayer: "
         "capture_output at attn_boundary.prepare, K-1 of K. Driven without images "
@@ -143,6 +144,7 @@ SPECS = [
         config=_qwen3_vl_moe_config,
         construct=_keyword_construct,
         pin_bugs=frozenset({"B", "C"}),
+        fixed_by={"B": "qwen3-vl-aux-packer"},
         wraps=("qwen3_vl_moe.py: Qwen3VLMoeForConditionalGeneration",),
         note="Own forward (qwen3_vl_moe.py 85-160) over Qwen3MoeDecoderLayer: "
         "capture_output at attn_boundary.prepare (after the owed sum: no bug A), "

@@ -134,6 +134,7 @@ SPECS = [
         config=_next_config,
         configure=_configure("set_eagle3_layers_to_capture"),
         pin_bugs=frozenset({"B", "C", "L"}),
+        fixed_by={"B": "qwen3-next-aux-packer"},
         wraps=("qwen3_next.py: Qwen3NextForCausalLM",),
         note=_NEXT_NOTE,
     ),
@@ -144,6 +145,7 @@ SPECS = [
         config=_qwen3_5_config,
         configure=_configure("set_dflash_layers_to_capture"),
         pin_bugs=frozenset({"B", "C", "L"}),
+        fixed_by={"B": "qwen3-next-aux-packer"},
         wraps=("qwen3_5.py: Qwen3_5ForConditionalGeneration (via qwen3_vl.py's wrapper)",),
         note=_QWEN3_5_NOTE,
     ),
@@ -154,6 +156,7 @@ SPECS = [
         config=lambda tc: _qwen3_5_config(tc, moe=True),
         configure=_configure("set_dflash_layers_to_capture"),
         pin_bugs=frozenset({"B", "C", "L"}),
+        fixed_by={"B": "qwen3-next-aux-packer"},
         wraps=("qwen3_5.py: Qwen3_5MoeForConditionalGeneration (Qwen3_5MoeForCausalLM, "
                "via qwen3_vl.py's wrapper)",),
         note=_QWEN3_5_NOTE,
