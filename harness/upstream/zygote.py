@@ -51,6 +51,9 @@ class Zygote:
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             x for x in (root, os.environ.get("PYTHONPATH")) if x))
+        # Runs go side by side, one per core; as in every suite process, one OpenMP
+        # thread each (set before the preload imports torch), unless the caller says.
+        env.setdefault("OMP_NUM_THREADS", "1")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "harness.upstream.zygote", str(timeout), *preload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
