@@ -48,6 +48,8 @@ CAUSAL_LM = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "gemma4": "Gemma4ForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
           for name in CAUSAL_LM]

@@ -161,8 +161,14 @@ def _granite_backend():
 
 def _granite_run(model, input_ids, positions, forward_batch):
     import importlib
+    import sys
 
-    mod = importlib.import_module("sglang.srt.models.granitemoehybrid")
+    # The module of the model's class (or of the first base that is granite's): the
+    # memory suite also runs a pristine copy of the file under a module name of its
+    # own (harness.memory.models.pin_module), whose get_attn_backend is its own.
+    mod = next((sys.modules[c.__module__] for c in type(model).__mro__
+                if hasattr(sys.modules.get(c.__module__), "get_attn_backend")),
+               None) or importlib.import_module("sglang.srt.models.granitemoehybrid")
     saved = mod.get_attn_backend
     backend = _granite_backend()
     mod.get_attn_backend = lambda: backend

@@ -129,6 +129,7 @@ SPECS = [
         layer_output=layer_output,
         run=run_plain,
         pin_bugs=frozenset({"B"}),
+        fixed_by={"B": "gemma4-aux-packer"},
         wraps=(
             "gemma4_causal.py: Gemma4ForCausalLM",
             "gemma4_mm.py: Gemma4ForConditionalGeneration (language_model is a "

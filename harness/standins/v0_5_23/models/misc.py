@@ -147,6 +147,7 @@ SPECS = [
         # sum completes at its exit, no fusion candidate is bound (checked at TP 2).
         defers=False,
         pin_bugs=frozenset({"B", "C", "U"}),
+        fixed_by={"B": "granitemoehybrid-aux-packer"},
         wraps=("granitemoehybrid.py: GraniteMoeHybridForCausalLM",),
         note="no capture setter (dead path, driven by setting layers_to_capture "
         "directly). 0.5.23 scales mixer and FFN outputs by residual_multiplier as the "

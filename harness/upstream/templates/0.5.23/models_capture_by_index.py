@@ -108,12 +108,20 @@ def _run(model, embeds):
         can_run_tbo=False,
         residual_stream=None,
         forward_mode=ForwardMode.EXTEND,
+        aux_hidden_states_buffer=None,  # no decode graph's buffer
     )
     # The fourth argument is the input embeddings (input_embeds or
     # inputs_embeds, depending on the model).
     out = model.forward(None, torch.arange(embeds.shape[0]), forward_batch, embeds)
     # A model returns the captures only when it took some.
-    return out if isinstance(out, tuple) else (out, [])
+    if not isinstance(out, tuple):
+        return out, []
+    hidden, aux = out
+    # A model that packs its captures (AuxHiddenStatePacker) returns one
+    # [tokens, K * hidden] tensor: one capture per HIDDEN columns.
+    if isinstance(aux, torch.Tensor):
+        aux = list(aux.split(HIDDEN, dim=-1))
+    return hidden, aux
 
 
 def _output_of(embeds, layer_id):

@@ -159,6 +159,7 @@ def _run(model, embeds):
         can_run_tbo=True,
         residual_stream=None,
         forward_mode=ForwardMode.EXTEND,
+        aux_hidden_states_buffer=None,  # no decode graph's buffer
     )
     module = _MODULES[type(model)]
     with mock.patch.object(
