@@ -429,11 +429,46 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
         }, indent=2) + "\n")
         progress(f"  wrote {lay.rel(dest)} ({', '.join(patch_names)}); test fails without, passes with")
         written.append(dest)
+    if written:
+        _verify_on_whole_series(lay, written, release)
     # Information, not a gate: does each bundle still apply to the releases after its base?
     from harness.upstream.drift import report_drift
 
     report_drift(lay, written, {p.id: p.probes for p in patches})
     return written
+
+
+def _verify_on_whole_series(lay: Layout, written: list[Path], release: str) -> None:
+    """Each bundle's test must also pass on the whole series (a clean checkout of the
+    tree's HEAD): merged upstream in series order, a later PR must not break an earlier
+    one's test (e.g. a packer family turning a list another test indexes into one
+    tensor). Two runs at a time, on one tree; the result goes into bundle.json."""
+    metas = [json.loads((d / "bundle.json").read_text()) for d in written]
+    progress(f"checking {len(written)} bundle test(s) on the whole {release} series")
+    with scratch(lay.build, "pr") as tmp:
+        tree = _pristine_clone(lay.tree, "HEAD", Path(tmp) / "series")
+        for d, meta in zip(written, metas):
+            (tree / meta["test"]).parent.mkdir(parents=True, exist_ok=True)
+            (tree / meta["test"]).write_text((d / "upstream_test.py").read_text())
+        results = []
+        for i in range(0, len(metas), 2):
+            pair = metas[i:i + 2]
+            logs = [Path(tmp) / f"{m['id']}.log" for m in pair]
+            statuses = zygote.shared(TEST_TIMEOUT).run([(tree, m["test"], log) for m, log in zip(pair, logs)])
+            results += [_test_result(rc, log) for rc, log in zip(statuses, logs)]
+    failed = [(m, r) for m, r in zip(metas, results) if r["rc"] != 0]
+    for d, meta, res in zip(written, metas, results):
+        meta["verified"]["test_on_whole_series"] = res["summary"]
+        (d / "bundle.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if failed:
+        raise HarnessError("; ".join(f"{m['id']}: {m['test']} fails on the whole {release} series "
+                                     f"(the later patches applied): {_first_error(r)}" for m, r in failed))
+    progress(f"  every bundle's test passes on the whole {release} series too")
+
+
+def _first_error(res: dict[str, Any]) -> str:
+    """The line of a failed run's log that says what went wrong, else its last."""
+    return next((x.strip() for x in res["tail"] if "Error" in x), res["last"])
 
 
 def _pristine_clone(tree: Path, tag: str, dest: Path) -> Path:

@@ -146,9 +146,11 @@ if __name__ == "__main__":
 '''
 
 
-def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | None = UPSTREAM_TEST) -> Path:
+def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | None = UPSTREAM_TEST,
+               later: str | None = None) -> Path:
     """A root with the pin plus base 9.9: a build tree at its base tag, a one-patch series
-    (Forwarded: yes) that fixes ``sglang.answer``, and its upstream test template."""
+    (Forwarded: yes) that fixes ``sglang.answer``, and its upstream test template.
+    ``later``: a second patch (Forwarded: no) that sets ``answer.py`` to that text."""
     import harness.upstream.prexport as prexport
 
     # The drift check after the export reads the package index: a dead one here, so it
@@ -172,9 +174,13 @@ def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | 
     (pkg / "answer.py").write_text(FIXED)
     run_git(tree, "commit", "-q", "-am",
             "Fix the answer\n\nBug: off by one.\n\nFix: return 42.\n\nPatch-Id: fix-answer\nForwarded: yes")
-    name = subprocess.run(["git", "format-patch", "-1", "-o", str(root / "patches" / BASE)], cwd=tree,
-                          check=True, capture_output=True, text=True).stdout.strip()
-    (root / "patches" / BASE / "series").write_text(Path(name).name + "\n")
+    if later is not None:
+        (pkg / "answer.py").write_text(later)
+        run_git(tree, "commit", "-q", "-am",
+                "Change the answer\n\nBug: none.\n\nPatch-Id: change-answer\nForwarded: no")
+    names = subprocess.run(["git", "format-patch", f"base/v{BASE}..HEAD", "-o", str(root / "patches" / BASE)],
+                           cwd=tree, check=True, capture_output=True, text=True).stdout.split()
+    (root / "patches" / BASE / "series").write_text("".join(Path(n).name + "\n" for n in names))
     templates = tmp_path / "templates"
     (templates / BASE).mkdir(parents=True)
     if template is not None:
@@ -194,6 +200,7 @@ def test_bundle_from_base_is_verified_on_pristine_release(tmp_path, monkeypatch)
     assert meta["verified"]["apply_check"] == "ok"
     assert meta["verified"]["test_without_patch"].startswith("FAILED")
     assert meta["verified"]["test_with_patch"] == "OK"
+    assert meta["verified"]["test_on_whole_series"] == "OK"
     [patch] = meta["patches"]
     text = (d / patch).read_text()
     # the fix and its test, in one commit, without our internal trailers
@@ -207,6 +214,21 @@ def test_bundle_from_base_is_verified_on_pristine_release(tmp_path, monkeypatch)
     run_git(tmp_path, "clone", "-q", str(root / "build" / f"sglang-{BASE}"), str(check))
     run_git(check, "checkout", "-q", f"base/v{BASE}")
     run_git(check, "apply", "--check", str(d / patch))
+
+
+def test_bundle_test_must_pass_on_the_whole_series(tmp_path, monkeypatch):
+    """Merged in series order, a later patch must not break an earlier bundle's test."""
+    from harness import HarnessError
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch, later=FIXED.replace("42", "43"))
+    with pytest.raises(HarnessError) as exc:
+        export_from_base(layout(root, base=BASE))
+    msg = str(exc.value)
+    assert "fix-answer: test/registered/unit/test_answer.py fails on the whole 9.9 series" in msg
+    assert "43 != 42" in msg and len(msg.splitlines()) == 1
+    meta = json.loads((root / "build" / "pr" / "fix-answer" / "bundle.json").read_text())
+    assert meta["verified"]["test_on_whole_series"].startswith("FAILED")
 
 
 def test_bundle_from_base_rejects_a_test_that_passes_without_the_patch(tmp_path, monkeypatch):
