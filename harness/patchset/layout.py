@@ -65,6 +65,12 @@ class Layout:
         return self.build / self._suffixed("ablation")
 
     @property
+    def pr_trees(self) -> Path:
+        """pr-export's test trees: checkouts of the release kept between bundles and runs,
+        so only the files a bundle changes are rewritten (and recompiled)."""
+        return self.build / self._suffixed("pr-trees")
+
+    @property
     def label(self) -> str:
         """The base's name for messages: its pin version."""
         try:

@@ -288,3 +288,38 @@ def test_deps_are_the_prefix_that_overlaps_the_patch():
     assert [q.id for q in overlapping_prefix(P(files=["b.py"]), prefix)] == ["first", "core", "b"]
     assert [q.id for q in overlapping_prefix(P(files=["c.py"]), prefix)] == ["other"]
     assert overlapping_prefix(P(files=["f.py"]), prefix) == []
+
+
+def test_bundle_test_trees_are_reused_and_reset(tmp_path, monkeypatch):
+    """The test trees stay between exports (so SGLang's bytecode stays compiled), each
+    reset to the release: a second export verifies the same way, and leaves no file of
+    the first behind."""
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch)
+    lay = layout(root, base=BASE)
+    export_from_base(lay)
+    stray = lay.pr_trees / "without" / "python" / "sglang" / "stray.py"
+    stray.write_text("")
+    written = export_from_base(lay)
+    meta = json.loads((written[0] / "bundle.json").read_text())
+    assert meta["verified"]["test_without_patch"].startswith("FAILED")
+    assert meta["verified"]["test_with_patch"].startswith("OK")
+    assert not stray.exists()
+
+
+def test_one_export_at_a_time_on_the_test_trees(tmp_path, monkeypatch):
+    """A second pr-export while one holds the trees: one line that says so, nothing built."""
+    from harness import HarnessError
+    from harness.upstream.prexport import _lock_trees, export_from_base
+
+    root = _base_root(tmp_path, monkeypatch)
+    lay = layout(root, base=BASE)
+    held = _lock_trees(lay)
+    try:
+        with pytest.raises(HarnessError) as exc:
+            export_from_base(lay)
+    finally:
+        held.close()
+    assert "in use by another pr-export" in str(exc.value) and len(str(exc.value).splitlines()) == 1
+    assert not (root / "build" / "pr").exists()
