@@ -6,6 +6,12 @@ after it left out (the tree at the commit just before P in build/sglang), then
 against the full series (the installed patched wheel). The run fails when a test
 passes without its patch, fails with it, or when a patch has no regression test.
 
+The runs are independent (each its own pytest process on its own tree), so they go
+two at a time on two cores or more (``--jobs``), each with the cores shared out
+(``--workers``): a run's fixed cost (collection, its workers and rank pools importing
+SGLang from its tree) then overlaps another run's tests. The full series goes first,
+the longest run. Each run's output is in build/results/ablation/<run>.log.
+
 Results: a table on stdout, build/results/ablation.json and ablation.md.
 """
 
@@ -35,7 +41,25 @@ PASSTHROUGH = True
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patch", action="append", default=[], metavar="PATCH_ID",
                    help="only these patches (default: all)")
-    p.add_argument("-n", "--workers", default="auto", help="pytest-xdist workers (default auto)")
+    p.add_argument("-n", "--workers", default="auto",
+                   help="pytest-xdist workers per run (default: the cores over --jobs, at least 1)")
+    p.add_argument("-j", "--jobs", type=int, default=0,
+                   help="pytest runs at once, each on its own tree (default: 2 on 2 cores or "
+                        "more, else 1)")
+
+
+def _jobs(requested: int, runs: int) -> int:
+    """Runs side by side: each run's fixed cost (collection, its workers and rank pools
+    importing SGLang from its own tree) overlaps another run's tests."""
+    cores = os.cpu_count() or 1
+    jobs = requested or (2 if cores >= 2 else 1)
+    return max(1, min(jobs, runs))
+
+
+def _workers(requested: str, jobs: int) -> str:
+    if requested != "auto":
+        return requested
+    return str(max(1, (os.cpu_count() or 1) // jobs))
 
 
 def _patch_ids(lay) -> list[tuple[str, str]]:
@@ -73,32 +97,75 @@ def _variant_tree(lay, index: int, pid: str) -> Path:
     return dest / "python"
 
 
-def _run_pytest(lay, label: str, guards: list[str], sglang_path: Path | None,
-                workers: str, extra: list[str]) -> dict[str, dict[str, str]]:
-    results_dir = lay.results / "ablation"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    junit = results_dir / f"{label}.xml"
-    if junit.exists():
-        junit.unlink()
-    env = dict(os.environ)
-    env.pop("HARNESS_SGLANG_PATH", None)
-    if sglang_path is not None:
-        env["HARNESS_SGLANG_PATH"] = str(sglang_path)
-    cmd = [sys.executable, "-m", "pytest", "-p", "xdist", "-n", workers, "--dist", "loadgroup",
-           "-q", "--tb=line", "--junitxml", str(junit), "--e2e", "tests"]
-    for g in guards:
-        cmd += ["--guards", g]
-    cmd += extra
-    where = "installed patched build" if sglang_path is None else lay.rel(sglang_path)
-    print(f"[ablation] {label}: {' '.join('--guards ' + g for g in guards)} on {where}", flush=True)
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=lay.root, env=env, capture_output=True, text=True)
-    print(f"[ablation] {label}: pytest exit {proc.returncode} in {time.monotonic() - t0:.0f}s",
-          flush=True)
-    if not junit.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
-        raise HarnessError(f"ablation run {label} produced no results (pytest exit {proc.returncode}): {tail}")
-    return _parse_junit(junit)
+class _Run:
+    """One pytest run of the ablation, started in the background (its output goes to
+    ``<label>.log`` next to its junit file)."""
+
+    def __init__(self, lay, label: str, guards: list[str], sglang_path: Path | None,
+                 workers: str, extra: list[str]) -> None:
+        results_dir = lay.results / "ablation"
+        results_dir.mkdir(parents=True, exist_ok=True)
+        self.lay, self.label = lay, label
+        self.junit = results_dir / f"{label}.xml"
+        self.log = results_dir / f"{label}.log"
+        if self.junit.exists():
+            self.junit.unlink()
+        env = dict(os.environ)
+        env.pop("HARNESS_SGLANG_PATH", None)
+        if sglang_path is not None:
+            env["HARNESS_SGLANG_PATH"] = str(sglang_path)
+        cmd = [sys.executable, "-m", "pytest", "-p", "xdist", "-n", workers, "--dist", "loadgroup",
+               "-q", "--tb=line", "--junitxml", str(self.junit), "--e2e", "tests"]
+        for g in guards:
+            cmd += ["--guards", g]
+        cmd += extra
+        where = "installed patched build" if sglang_path is None else lay.rel(sglang_path)
+        print(f"[ablation] {label}: {' '.join('--guards ' + g for g in guards)} on {where} "
+              f"({workers} worker(s))", flush=True)
+        self.t0 = time.monotonic()
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=lay.root, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def finish(self) -> dict[str, dict[str, str]]:
+        rc = self.proc.wait()
+        print(f"[ablation] {self.label}: pytest exit {rc} in {time.monotonic() - self.t0:.0f}s",
+              flush=True)
+        if not self.junit.exists():
+            lines = [x.strip() for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+            why = next((x for x in reversed(lines) if "Error" in x), lines[-1] if lines else "no output")
+            raise HarnessError(f"ablation run {self.label} produced no results (pytest exit {rc}; "
+                               f"{self.lay.rel(self.log)}): {why}")
+        return _parse_junit(self.junit)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _run_all(lay, runs: list[tuple[str, list[str], Path | None]], jobs: int, workers: str,
+             extra: list[str]) -> dict[str, dict[str, dict[str, str]]]:
+    """Every run, ``jobs`` at a time, in the order given (the longest first balances
+    the slots); returns their results by label."""
+    pending = list(runs)
+    active: list[_Run] = []
+    results: dict[str, dict[str, dict[str, str]]] = {}
+    try:
+        while pending or active:
+            while pending and len(active) < jobs:
+                label, guards, tree = pending.pop(0)
+                active.append(_Run(lay, label, guards, tree, workers, extra))
+            done = next((r for r in active if r.proc.poll() is not None), None)
+            if done is None:
+                time.sleep(0.5)
+                continue
+            active.remove(done)
+            results[done.label] = done.finish()
+    finally:
+        for r in active:
+            r.kill()
+    return results
 
 
 def _parse_junit(path: Path) -> dict[str, dict[str, str]]:
@@ -127,13 +194,15 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise HarnessError(f"unknown Patch-Id(s): {', '.join(sorted(unknown))}")
     rows: list[dict[str, Any]] = []
-    without: dict[str, dict[str, dict[str, str]]] = {}
+    # The full series first: it runs every guarded test, the longest run by far.
+    runs: list[tuple[str, list[str], Path | None]] = [("full-series", sorted(wanted), None)]
     for index, (name, pid) in enumerate(patches):
-        if pid not in wanted:
-            continue
-        tree = _variant_tree(lay, index, pid)
-        without[pid] = _run_pytest(lay, f"without-{pid}", [pid], tree, args.workers, extra)
-    with_all = _run_pytest(lay, "full-series", sorted(wanted), None, args.workers, extra)
+        if pid in wanted:
+            runs.append((f"without-{pid}", [pid], _variant_tree(lay, index, pid)))
+    jobs = _jobs(args.jobs, len(runs))
+    results = _run_all(lay, runs, jobs, _workers(args.workers, jobs), extra)
+    with_all = results["full-series"]
+    without = {pid: results[f"without-{pid}"] for _, pid in patches if pid in wanted}
 
     ok = True
     problems: list[str] = []

@@ -1,0 +1,78 @@
+"""The ablation's scheduler: runs side by side, the cores shared out, a run that writes
+no results is one error naming it (the pytest runs themselves: `make ablation`)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from harness import HarnessError
+from harness.suites import ablation
+
+
+def test_two_runs_at_once_on_two_cores_each_with_one_worker(monkeypatch):
+    monkeypatch.setattr(ablation.os, "cpu_count", lambda: 2)
+    assert ablation._jobs(0, 20) == 2
+    assert ablation._workers("auto", 2) == "1"
+    assert ablation._jobs(0, 1) == 1 and ablation._workers("auto", 1) == "2"
+    assert ablation._jobs(3, 20) == 3 and ablation._workers("4", 3) == "4"
+    monkeypatch.setattr(ablation.os, "cpu_count", lambda: 1)
+    assert ablation._jobs(0, 20) == 1
+
+
+class _FakeRun:
+    """Stands in for a pytest run: finishes after a few polls, records concurrency."""
+
+    active = 0
+    most = 0
+    order: list[str] = []
+
+    def __init__(self, lay, label, guards, tree, workers, extra):
+        self.label, self.polls = label, 0
+        _FakeRun.active += 1
+        _FakeRun.most = max(_FakeRun.most, _FakeRun.active)
+        _FakeRun.order.append(label)
+        self.proc = types.SimpleNamespace(poll=self._poll)
+
+    def _poll(self):
+        self.polls += 1
+        return 0 if self.polls > 2 else None
+
+    def finish(self):
+        _FakeRun.active -= 1
+        return {f"t::{self.label}": {"status": "passed", "reason": ""}}
+
+    def kill(self):
+        pass
+
+
+def test_every_run_is_started_in_order_and_at_most_jobs_at_once(monkeypatch):
+    monkeypatch.setattr(ablation, "_Run", _FakeRun)
+    monkeypatch.setattr(ablation.time, "sleep", lambda s: None)
+    runs = [(f"r{i}", [f"p{i}"], None) for i in range(5)]
+    results = ablation._run_all(None, runs, 2, "1", [])
+    assert sorted(results) == [f"r{i}" for i in range(5)]
+    assert _FakeRun.order == [f"r{i}" for i in range(5)] and _FakeRun.most == 2
+
+
+def test_a_run_without_results_is_one_line_naming_it(tmp_path):
+    """pytest that dies before writing its junit: one error naming the run and its log."""
+    lay = types.SimpleNamespace(results=tmp_path / "results", root=tmp_path,
+                                rel=lambda p: str(p.relative_to(tmp_path)))
+    run = ablation._Run.__new__(ablation._Run)
+    run.lay, run.label = lay, "without-p1"
+    run.junit = tmp_path / "none.xml"
+    run.log = tmp_path / "without-p1.log"
+    run.log.write_text("collecting ...\nImportError: no module named sglang\n\nexit\n")
+    import subprocess
+    import time
+
+    run.t0 = time.monotonic()
+    run.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
+    with pytest.raises(HarnessError) as exc:
+        run.finish()
+    msg = str(exc.value)
+    assert msg.startswith("ablation run without-p1 produced no results (pytest exit 4; without-p1.log)")
+    assert msg.endswith("ImportError: no module named sglang") and len(msg.splitlines()) == 1
