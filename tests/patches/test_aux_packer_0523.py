@@ -50,6 +50,8 @@ CAUSAL_LM = {
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "gemma4": "Gemma4ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "laguna": "LagunaForCausalLM",
+    "nanbeige": "NanbeigeForCausalLM",
 }
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
           for name in CAUSAL_LM]
