@@ -140,3 +140,41 @@ def test_causal_lm_reports_the_packed_width(sglang_tp1, name):
                                                is_draft_worker=True) == 0
     finally:
         spec.configure(model, [])
+
+
+@pytest.mark.guards(specs()["qwen3_5"].patch_for("B"))
+def test_minicpmv_4_6_reports_its_qwen3_5_body_width(sglang_tp1):
+    """MiniCPM-V 4.6/4.7 run a Qwen3.5 body (``self.llm``) under the version dispatcher
+    the model runner holds (``MiniCPMV.__getattr__`` forwards to the 4.6 model): the
+    width comes through it, from the tiny real body after the real DFlash setter."""
+    from torch import nn
+
+    from sglang.srt.model_executor.model_runner_components.misc_utils import (
+        resolve_aux_hidden_states_width,
+    )
+    from sglang.srt.models.minicpmv import MiniCPMV4_6, MiniCPMV4_6ForConditionalGeneration
+
+    spec, body = _tiny("qwen3_5")
+    inner = MiniCPMV4_6.__new__(MiniCPMV4_6)
+    nn.Module.__init__(inner)
+    inner.llm = body
+    inner.config = types.SimpleNamespace(
+        text_config=types.SimpleNamespace(hidden_size=spec.tiny.hidden_size))
+    inner.capture_aux_hidden_states = False
+    runner_model = MiniCPMV4_6ForConditionalGeneration.__new__(MiniCPMV4_6ForConditionalGeneration)
+    runner_model.minicpmv = inner
+    dflash = types.SimpleNamespace(is_dflash_family=lambda: True)
+
+    def width():
+        return resolve_aux_hidden_states_width(model=runner_model, spec_algorithm=dflash,
+                                               is_draft_worker=False)
+
+    assert width() == 0
+    try:
+        runner_model.set_dflash_layers_to_capture([i - 1 for i in LAYERS])
+        want = width()
+        assert want == len(LAYERS) * spec.tiny.hidden_size
+        _, packed = _run(spec, body, LAYERS)
+        assert packed.shape[1] == want, "the width reported is not what the body returns"
+    finally:
+        spec.configure(body, [])

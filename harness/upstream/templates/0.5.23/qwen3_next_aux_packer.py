@@ -39,6 +39,10 @@ from sglang.srt.models.interns2_mobius import (
     InternS2MobiusForCausalLM,
     InternS2MobiusForConditionalGeneration,
 )
+from sglang.srt.models.minicpmv import (
+    MiniCPMV4_6,
+    MiniCPMV4_6ForConditionalGeneration,
+)
 from sglang.srt.models.qwen3_5 import (
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
@@ -214,6 +218,31 @@ class TestQwen3NextAuxPacker(CustomTestCase):
                     self.assertEqual(holder.get_aux_hidden_states_width(), 0)
                     holder.set_dflash_layers_to_capture([0, 2, NUM_LAYERS - 1])
                     self.assertEqual(holder.get_aux_hidden_states_width(), 3 * HIDDEN)
+
+    def test_minicpmv_4_6_reports_the_packed_width(self):
+        # The model runner holds the version dispatcher, which forwards
+        # attribute reads to the 4.6 model around a Qwen3.5 body.
+        inner = MiniCPMV4_6.__new__(MiniCPMV4_6)
+        nn.Module.__init__(inner)
+        inner.llm = _model(Qwen3_5ForCausalLM)
+        inner.config = types.SimpleNamespace(
+            text_config=types.SimpleNamespace(hidden_size=HIDDEN)
+        )
+        inner.capture_aux_hidden_states = False
+        runner_model = MiniCPMV4_6ForConditionalGeneration.__new__(
+            MiniCPMV4_6ForConditionalGeneration
+        )
+        runner_model.minicpmv = inner
+        dflash = types.SimpleNamespace(is_dflash_family=lambda: True)
+
+        def width():
+            return resolve_aux_hidden_states_width(
+                model=runner_model, spec_algorithm=dflash, is_draft_worker=False
+            )
+
+        self.assertEqual(width(), 0)
+        runner_model.set_dflash_layers_to_capture([0, 2, NUM_LAYERS - 1])
+        self.assertEqual(width(), 3 * HIDDEN)
 
     def test_qwen4_exp_reports_no_width(self):
         # Its forward returns the captures only on an idle batch: no decode
