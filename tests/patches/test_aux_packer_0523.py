@@ -52,6 +52,7 @@ CAUSAL_LM = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "laguna": "LagunaForCausalLM",
     "nanbeige": "NanbeigeForCausalLM",
+    "glm5_next": "Glm5NextForConditionalGeneration",
 }
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
           for name in CAUSAL_LM]
