@@ -24,7 +24,7 @@ FORWARDS = [
                  "glm4_moe_lite", "minimax_m2", "apertus", "arcee", "llama4", "exaone_moe",
                  "longcat_flash", "bailing_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_next",
                  "qwen3_5", "gemma4", "granitemoehybrid", "laguna", "nanbeige",
-                 "glm5_next")
+                 "glm5_next", "minimax_m3")
 ]
 
 

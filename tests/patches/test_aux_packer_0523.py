@@ -53,6 +53,7 @@ CAUSAL_LM = {
     "laguna": "LagunaForCausalLM",
     "nanbeige": "NanbeigeForCausalLM",
     "glm5_next": "Glm5NextForConditionalGeneration",
+    "minimax_m3": "MiniMaxM3SparseForCausalLM",
 }
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
           for name in CAUSAL_LM]
@@ -132,7 +133,11 @@ def test_causal_lm_reports_the_packed_width(sglang_tp1, name):
     assert lm.get_aux_hidden_states_width() == 0
     dflash = types.SimpleNamespace(is_dflash_family=lambda: True)
     try:
-        lm.set_dflash_layers_to_capture([i - 1 for i in LAYERS])
+        # The DFlash setter; EAGLE3's (the same id + 1 mapping) where the CausalLM has
+        # none (minimax_m3's text CausalLM: its VL wrapper's is in the template).
+        setter = (getattr(lm, "set_dflash_layers_to_capture", None)
+                  or lm.set_eagle3_layers_to_capture)
+        setter([i - 1 for i in LAYERS])
         want = len(LAYERS) * spec.tiny.hidden_size
         assert lm.get_aux_hidden_states_width() == want
         assert resolve_aux_hidden_states_width(model=lm, spec_algorithm=dflash,
