@@ -55,8 +55,9 @@ CAUSAL_LM = {
     "glm5_next": "Glm5NextForConditionalGeneration",
     "minimax_m3": "MiniMaxM3SparseForCausalLM",
 }
+# Collected on every base; the files new in 0.5.23 have no spec on the pin.
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
-          for name in CAUSAL_LM]
+          for name in CAUSAL_LM if name in specs()]
 
 _BUILT: dict = {}
 
