@@ -23,8 +23,8 @@ FORWARDS = [
     for name in ("llama", "qwen2", "qwen3", "qwen2_moe", "gpt_oss", "glm4", "glm4_moe",
                  "glm4_moe_lite", "minimax_m2", "apertus", "arcee", "llama4", "exaone_moe",
                  "longcat_flash", "bailing_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_next",
-                 "qwen3_5", "gemma4", "granitemoehybrid", "laguna", "nanbeige",
-                 "glm5_next", "minimax_m3")
+                 "qwen3_5", "gemma4", "granitemoehybrid", "laguna", "nanbeige", "glm5_next",
+                 "minimax_m3", "lfm2", "lfm2_moe", "nemotron_h", "kimi_linear", "gemma3")
     # Collected on every base; the files new in 0.5.23 have no spec on the pin.
     if name in specs()
 ]

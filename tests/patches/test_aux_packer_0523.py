@@ -54,6 +54,11 @@ CAUSAL_LM = {
     "nanbeige": "NanbeigeForCausalLM",
     "glm5_next": "Glm5NextForConditionalGeneration",
     "minimax_m3": "MiniMaxM3SparseForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Collected on every base; the files new in 0.5.23 have no spec on the pin.
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
@@ -130,13 +135,16 @@ def test_causal_lm_reports_the_packed_width(sglang_tp1, name):
     lm.config = types.SimpleNamespace(hidden_size=spec.tiny.hidden_size,
                                       num_hidden_layers=spec.tiny.num_layers)
     lm.pp_group = types.SimpleNamespace(is_last_rank=True)
-    lm.capture_aux_hidden_states = False
+    if not isinstance(getattr(lm_cls, "capture_aux_hidden_states", None), property):
+        lm.capture_aux_hidden_states = False  # else read from the model (lfm2)
     assert lm.get_aux_hidden_states_width() == 0
     dflash = types.SimpleNamespace(is_dflash_family=lambda: True)
     try:
         # The DFlash setter; EAGLE3's (the same id + 1 mapping) where the CausalLM has
         # none (minimax_m3's text CausalLM: its VL wrapper's is in the template).
+        # DSpark's (layer-output ids, as DFlash's) where it is the only one (kimi_linear).
         setter = (getattr(lm, "set_dflash_layers_to_capture", None)
+                  or getattr(lm, "set_dspark_layers_to_capture", None)
                   or lm.set_eagle3_layers_to_capture)
         setter([i - 1 for i in LAYERS])
         want = len(LAYERS) * spec.tiny.hidden_size

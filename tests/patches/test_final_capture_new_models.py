@@ -320,6 +320,7 @@ def test_in_loop_models_serve_both_sides_of_the_final_norm(sglang_tp1, name, val
     import torch
 
     from harness.suites.models import serving_final_layer_capture
+    from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 
     ids = [0, NUM_LAYERS - 1]
     model = (_kimi_linear if name == "kimi_linear" else _muse_spark)(ids)
@@ -327,8 +328,10 @@ def test_in_loop_models_serve_both_sides_of_the_final_norm(sglang_tp1, name, val
     embeds_kw = "inputs_embeds" if name == "kimi_linear" else "input_embeds"
     with serving_final_layer_capture(value):
         hidden, aux = _forward(model, embeds.clone(), embeds_kw=embeds_kw)
-    assert len(aux) == 2, f"{name}: {len(aux)} captures for 2 ids"
-    first, last = (t.to(torch.float32) for t in aux)
+    # A list (muse_spark), or one packed tensor (kimi_linear, kimi-linear-aux-packer).
+    packed = pack_aux_hidden_states(aux)
+    assert packed.shape[-1] == 2 * HIDDEN, f"{name}: {packed.shape[-1] // HIDDEN} captures for 2 ids"
+    first, last = (t.to(torch.float32) for t in packed.split(HIDDEN, dim=-1))
     torch.testing.assert_close(first, _after(embeds, 1))
     stream = _after(embeds, NUM_LAYERS)
     torch.testing.assert_close(hidden.to(torch.float32), stream * 3.0 - 1.0)

@@ -56,6 +56,10 @@ def test_idle_batch_captures_k_of_k(sglang_tp1, name):
     spec = specs()[name]
     layers = layer_sets(spec.tiny.num_layers)["eagle3-last"]
     res = capture_case(0, 1, model=name, layers_to_capture=layers, num_tokens=0, mode="idle")
+    if not spec.idle_captures:
+        # By design: the forward returns the bare hidden states on an idle batch.
+        assert res["captures"] is None, f"{name}: captures on an idle batch"
+        return
     assert res["num_captured"] == len(layers), (
         f"{name}: captured {res['num_captured']} of {len(layers)} on an idle batch"
     )

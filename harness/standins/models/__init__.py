@@ -90,6 +90,10 @@ class ModelSpec:
     fixed_by: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # In tests/multirank/test_model_matrix.py (deepseek_v2 has a matrix of its own).
     in_matrix: bool = True
+    # An idle batch (zero tokens) gives K of K empty captures; False where the model
+    # returns none at all by design (0.5.23's lfm2 and lfm2_moe: their layers skip
+    # IDLE and the CausalLM takes the bare tensor; DFlash skips idle batches).
+    idle_captures: bool = True
 
     def bugs(self) -> frozenset:
         return self.pin_bugs

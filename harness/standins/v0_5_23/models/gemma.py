@@ -100,6 +100,7 @@ SPECS = [
         layer_output=_hidden_plus_residual,
         run=_gemma3_run,
         pin_bugs=frozenset({"B", "E", "X", "R"}),
+        fixed_by={"B": "gemma3-aux-packer"},
         wraps=(
             "gemma3_causal.py: Gemma3ForCausalLM",
             "gemma3_mm.py: Gemma3ForConditionalGeneration (via Gemma3ForCausalLM)",

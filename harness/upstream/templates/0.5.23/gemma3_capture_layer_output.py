@@ -12,6 +12,7 @@ their inputs in place like the fused GPU kernel; Gemma3TextModel.forward is
 the real one.
 """
 
+import types
 import unittest
 
 import torch
@@ -74,9 +75,14 @@ def _run(model, embeds):
     return model.forward(
         input_ids=None,
         positions=torch.arange(embeds.shape[0]),
-        forward_batch=None,
+        forward_batch=types.SimpleNamespace(aux_hidden_states_buffer=None),
         input_embeds=embeds,
     )
+
+
+def _captures(aux):
+    """The captures one by one, from a list or from a packed [T, K * H] tensor."""
+    return aux.split(HIDDEN, dim=-1) if isinstance(aux, torch.Tensor) else aux
 
 
 def _output_of(embeds, layer_id):
@@ -90,6 +96,7 @@ class TestGemma3CaptureLayerOutput(CustomTestCase):
         layers_to_capture = [0, 1, 2, NUM_LAYERS]
         embeds = torch.randn(TOKENS, HIDDEN)
         hidden, aux = _run(_model(layers_to_capture), embeds.clone())
+        aux = _captures(aux)
         self.assertEqual(len(aux), len(layers_to_capture))
         # capture index i is the output of layer i - 1, taken before the
         # later in-place norms ran
@@ -101,7 +108,7 @@ class TestGemma3CaptureLayerOutput(CustomTestCase):
     def test_final_capture_is_not_the_normed_output(self):
         embeds = torch.randn(TOKENS, HIDDEN)
         hidden, aux = _run(_model([NUM_LAYERS]), embeds.clone())
-        (final,) = aux
+        (final,) = _captures(aux)
         self.assertNotEqual(final.data_ptr(), hidden.data_ptr())
         torch.testing.assert_close(final, _output_of(embeds, NUM_LAYERS - 1))
 
