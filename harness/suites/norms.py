@@ -38,7 +38,10 @@ def fused_norm_declined(rank: int, world_size: int, *, with_addition: bool,
     from harness.standins.kernels import _rms, install_cpu_norm
 
     g = torch.Generator().manual_seed(3)
-    ints = lambda *shape: torch.randint(-4, 5, shape, generator=g).to(torch.float64)
+
+    def ints(*shape: int) -> torch.Tensor:
+        return torch.randint(-4, 5, shape, generator=g).to(torch.float64)
+
     full = ints(TOKENS, HIDDEN)
     # Partial sums that add up to ``full`` over the ranks: rank 0 holds the rest.
     shares = [ints(TOKENS, HIDDEN) for _ in range(world_size - 1)]

@@ -409,7 +409,8 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
             logs = [Path(tmp) / f"{name}.log" for name in ("without", "with")]
             _settle()
             statuses = zygote.shared(TEST_TIMEOUT).run([(without_tree, test_path, logs[0]), (with_tree, test_path, logs[1])])
-            without, with_patch = (_test_result(rc, log) for rc, log in zip(statuses, logs))
+            without, with_patch = (_test_result(rc, log, tree) for rc, log, tree
+                                   in zip(statuses, logs, (without_tree, with_tree)))
         if without["rc"] == 0:
             raise HarnessError(f"{p.id}: {test_path} passes on pristine {release} without {p.name}: "
                                "it does not test the bug")
@@ -457,7 +458,7 @@ def _verify_on_whole_series(lay: Layout, written: list[Path], release: str) -> N
             pair = metas[i:i + 2]
             logs = [Path(tmp) / f"{m['id']}.log" for m in pair]
             statuses = zygote.shared(TEST_TIMEOUT).run([(tree, m["test"], log) for m, log in zip(pair, logs)])
-            results += [_test_result(rc, log) for rc, log in zip(statuses, logs)]
+            results += [_test_result(rc, log, tree) for rc, log in zip(statuses, logs)]
     failed = [(m, r) for m, r in zip(metas, results) if r["rc"] != 0]
     for d, meta, res in zip(written, metas, results):
         meta["verified"]["test_on_whole_series"] = res["summary"]
@@ -559,9 +560,12 @@ def _apply_alone_or_with_prefix(repo: Path, p, prefix: list, release: str) -> li
     return list(prefix)
 
 
-def _test_result(rc: int, log: Path) -> dict[str, Any]:
-    """A run's status and the lines of its log a reader needs."""
+def _test_result(rc: int, log: Path, tree: Path) -> dict[str, Any]:
+    """A run's status and the lines of its log a reader needs. Paths are the reviewer's:
+    relative to the SGLang checkout, installed packages from ``site-packages/``; never
+    this machine's (``tree``: the checkout the test ran in)."""
     output = (f"timed out after {TEST_TIMEOUT}s\n" if rc == 124 else "") + log.read_text(errors="replace")
+    output = re.sub(r'"[^"\n]*/site-packages/', '"site-packages/', output.replace(f"{tree.resolve()}/", "").replace(f"{tree}/", ""))
     lines = [x for x in output.strip().splitlines() if x.strip()]
     tail = [x for x in lines if not x.lstrip().startswith(("warnings.warn", "/"))][-12:]
     summary = next((x for x in reversed(lines) if x.startswith(("OK", "FAILED", "Ran "))), f"exit {rc}")

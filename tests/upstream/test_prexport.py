@@ -209,11 +209,31 @@ def test_bundle_from_base_is_verified_on_pristine_release(tmp_path, monkeypatch)
     desc = (d / "description.md").read_text()
     assert "2 files changed" in desc  # the stat covers the fix, not only the test
     assert "AssertionError: 41 != 42" in desc and "passes (exit 0" in desc
+    assert str(tmp_path) not in desc
     # and it applies to a pristine checkout of the release
     check = tmp_path / "check"
     run_git(tmp_path, "clone", "-q", str(root / "build" / f"sglang-{BASE}"), str(check))
     run_git(check, "checkout", "-q", f"base/v{BASE}")
     run_git(check, "apply", "--check", str(d / patch))
+
+
+def test_bundle_evidence_shows_the_reviewers_paths(tmp_path):
+    """description.md quotes the runs' tracebacks: paths relative to the SGLang checkout
+    and to site-packages, as on the reviewer's machine, never this machine's."""
+    from harness.upstream.prexport import _test_result
+
+    tree = tmp_path / "build" / "pr-trees-9.9" / "without"
+    log = tmp_path / "without.log"
+    log.write_text(
+        "Traceback (most recent call last):\n"
+        f'  File "{tree}/python/sglang/test/test_utils.py", line 2452, in _callTestMethod\n'
+        f'  File "{tmp_path}/.tox/test/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1, in f\n'
+        "AttributeError: 'X' object has no attribute 'get_aux_hidden_states_width'\n"
+        "FAILED (errors=1)\n")
+    res = _test_result(1, log, tree)
+    assert res["tail"][1] == '  File "python/sglang/test/test_utils.py", line 2452, in _callTestMethod'
+    assert res["tail"][2].startswith('  File "site-packages/torch/nn/modules/module.py"')
+    assert not any(str(tmp_path) in x for x in res["tail"]) and res["summary"] == "FAILED (errors=1)"
 
 
 def test_bundle_test_must_pass_on_the_whole_series(tmp_path, monkeypatch):
