@@ -47,7 +47,7 @@ def _cases():
             for fusion in fusions:
                 out.append((f"{name}-{set_name}-{fusion}",
                             dict(model=name, layers_to_capture=layers, fusion=fusion)))
-        for fusion in fusions:
+        for fusion in fusions if spec.post_norm else []:
             out.append((f"{name}-post-norm-{fusion}",
                         dict(model=name, layers_to_capture=sets["eagle3-last"], fusion=fusion,
                              final_layer_capture="post_norm")))

@@ -59,6 +59,9 @@ CAUSAL_LM = {
     "nemotron_h": "NemotronHForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    # Both of BeamModel's loops: the fused one and the plain one (CPU offload).
+    "beam": "BeamForCausalLM",
+    "beam_unfused": "BeamForCausalLM",
 }
 # Collected on every base; the files new in 0.5.23 have no spec on the pin.
 PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)

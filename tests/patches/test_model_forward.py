@@ -80,7 +80,7 @@ def _trace_params():
     only = POST_NORM_TRACES.get(layout().label)
     for n in NAMES:
         yield pytest.param(n, "pre_norm", id=f"{n}-pre_norm")
-        if only is None or n in only:
+        if (only is None or n in only) and specs()[n].post_norm:
             yield pytest.param(n, "post_norm", id=f"{n}-post_norm",
                                marks=pytest.mark.guards("final-layer-capture"))
 

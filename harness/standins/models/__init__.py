@@ -94,6 +94,10 @@ class ModelSpec:
     # returns none at all by design (0.5.23's lfm2 and lfm2_moe: their layers skip
     # IDLE and the CausalLM takes the bare tensor; DFlash skips idle batches).
     idle_captures: bool = True
+    # The model serves the last layer's capture after the final norm (``post_norm``);
+    # False where the model runner refuses post_norm at start-up (0.5.23's beam: the
+    # last capture is taken inside its layer loops), so no post-norm case runs for it.
+    post_norm: bool = True
 
     def bugs(self) -> frozenset:
         return self.pin_bugs
