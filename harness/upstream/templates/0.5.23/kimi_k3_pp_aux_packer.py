@@ -1,0 +1,280 @@
+# upstream-path: test/registered/unit/models/test_kimi_k3_pp_aux_packer.py
+"""KimiK3LinearModel packs its DSpark aux hidden states into one buffer on
+every pipeline stage.
+
+A list of K captures that the logits processor concatenates holds the captures
+and their concatenation at once (2 x K x T x H). KimiK3LinearModel packed them
+into one [T, K * H] buffer (AuxHiddenStatePacker) without pipeline parallelism
+only; with PP > 1 each stage collected a list, a stage that is not the last
+concatenated its own into ``pp_proxy_tensors["dspark_hidden_states"]``, and the
+last one concatenated the received block with its own captures. Now every
+stage packs: a later stage copies the received block (K' captures side by
+side) into its first K' slots, then its own captures; a stage that is not the
+last sends its packed buffer on as it is. Capture ids are layer outputs: on
+the standard residual path layer i's input captures the output of layer
+i - 1 (a stage's first layer the previous stage's last one) and the final
+norm the last layer's; on the attention-residual bank path the mixture after
+layer i is captured, the previous stage's last one at the stage's start. A
+DFlash-family decode CUDA graph passes a slice of one shared buffer on the
+batch (aux_hidden_states_buffer), sized by
+KimiK3LinearForCausalLM.get_aux_hidden_states_width, on every stage.
+
+Runs on CPU without a GPU or a checkpoint: the decoder layers, the final read
+and the bank are small stand-ins on the real residual stream
+(``forward_batch.residual_stream``), the bank's mixture a snapshot of the
+stream; KimiK3LinearModel.forward is the real one, run stage by stage with its
+pipeline group overridden.
+"""
+
+import types
+import unittest
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
+from sglang.srt.model_executor.forward_batch_info import ForwardMode, PPProxyTensors
+from sglang.srt.models.kimi_k3 import KimiK3LinearForCausalLM, KimiK3LinearModel
+from sglang.srt.runtime_context import get_parallel
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=10, suite="base-a-test-cpu")
+
+HIDDEN = 8
+TOKENS = 5
+NUM_LAYERS = 4
+SPLIT = 2  # the first stage takes layers 0 and 1, the last 2 and 3
+
+
+class _FromPP:
+    """A pipeline stage's entry: a fresh stream holding the received output."""
+
+    def from_pp(self, pp_proxy_tensors, forward_batch):
+        residual_batch.start(forward_batch)
+        return pp_proxy_tensors["hidden_states"] + pp_proxy_tensors.tensors.get(
+            "residual", 0
+        )
+
+
+class _Layer(nn.Module):
+    """Completes the previous layer's output at its boundary, captures it when
+    asked (``capture_gathered``, as the attention boundary takes it), and adds
+    ``layer_id + 1``, left to the next boundary (or the final read)."""
+
+    def __init__(self, layer_id):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_boundary = _FromPP()
+
+    def forward(
+        self,
+        positions,
+        hidden_states,
+        forward_batch,
+        zero_allocator,
+        capture_gathered=None,
+    ):
+        hidden_states = residual_batch.fold(hidden_states, forward_batch)
+        if capture_gathered is not None:
+            capture_gathered.capture(hidden_states)
+        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
+        return residual_batch.stream_of(forward_batch).record(contribution, PLAIN_ADD)
+
+
+class _InPlaceNorm(nn.Module):
+    """Fused add + RMSNorm: updates its inputs in place, like the GPU kernel."""
+
+    def forward(self, hidden_states, residual=None, **unused_kwargs):
+        if residual is None:
+            return hidden_states.mul_(0.5)
+        residual.add_(hidden_states)
+        hidden_states.copy_(residual * 0.5)
+        return hidden_states, residual
+
+
+class _Bank:
+    """The attention-residual bank's lifecycle, holding one row block per token."""
+
+    def open(self, hidden_states, num_blocks, inherited):
+        self.block_residual = (
+            hidden_states.new_zeros(hidden_states.shape[0], num_blocks, HIDDEN)
+            if inherited is None
+            else inherited
+        )
+
+    def require(self):
+        return self
+
+    def close(self):
+        pass
+
+
+def _model(layer_ids=None, start_layer=0, end_layer=NUM_LAYERS, bank=False):
+    model = KimiK3LinearModel.__new__(KimiK3LinearModel)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([_Layer(i) for i in range(NUM_LAYERS)])
+    model.start_layer, model.end_layer = start_layer, end_layer
+    model.dspark_layers_to_capture = None if layer_ids is None else list(layer_ids)
+    model.carries_bank_slices = False
+    model._final_read = _InPlaceNorm()
+    model.attn_bank = _Bank() if bank else None
+    if bank:
+        # The bank's capture is the mixture the next read would form; here the
+        # stream itself, so both paths capture the same values.
+        model._dspark_capture_stream = lambda layer_id, hidden, batch: (
+            residual_batch.snapshot(hidden, batch)
+        )
+    whole = start_layer == 0 and end_layer == NUM_LAYERS
+    model.pp_group = types.SimpleNamespace(
+        is_first_rank=start_layer == 0,
+        is_last_rank=end_layer == NUM_LAYERS,
+        world_size=1 if whole else 2,
+    )
+    model.config = types.SimpleNamespace(hidden_size=HIDDEN, attn_res_block_size=2)
+    return model
+
+
+def _run(model, embeds, buffer=None, pp_proxy_tensors=None):
+    forward_batch = types.SimpleNamespace(
+        can_run_tbo=False,
+        residual_stream=None,
+        forward_mode=ForwardMode.EXTEND,
+        aux_hidden_states_buffer=buffer,
+    )
+    with get_parallel().override(pp_group=model.pp_group):
+        return model.forward(
+            input_ids=None,
+            positions=torch.arange(embeds.shape[0]),
+            forward_batch=forward_batch,
+            inputs_embeds=embeds,
+            pp_proxy_tensors=pp_proxy_tensors,
+        )
+
+
+def _two_stages(layer_ids, embeds, bank=False, buffers=(None, None)):
+    """(what the first stage sends, what the last returns), each stage the real
+    forward of its own model."""
+    proxy = _run(
+        _model(layer_ids, end_layer=SPLIT, bank=bank), embeds.clone(), buffers[0]
+    )
+    out = _run(
+        _model(layer_ids, start_layer=SPLIT, bank=bank),
+        torch.empty(0, HIDDEN),
+        buffers[1],
+        pp_proxy_tensors=PPProxyTensors(dict(proxy.tensors)),
+    )
+    return proxy, out
+
+
+def _after(embeds, layer_id):
+    # The output of layer ``layer_id``: embeds + 1 + ... + (layer_id + 1).
+    return embeds + float(sum(range(1, layer_id + 2)))
+
+
+def _expected(embeds, layer_ids):
+    return torch.cat([_after(embeds, i) for i in layer_ids], dim=-1)
+
+
+class TestKimiK3PipelineAuxPacker(CustomTestCase):
+    def test_single_stage_returns_one_packed_buffer(self):
+        layer_ids = [0, 2, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        for bank in (False, True):
+            hidden, aux = _run(_model(layer_ids, bank=bank), embeds.clone())
+            self.assertIsInstance(aux, torch.Tensor)
+            torch.testing.assert_close(aux, _expected(embeds, layer_ids))
+            torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
+            self.assertIs(pack_aux_hidden_states(aux), aux)
+
+    def test_pipeline_stages_carry_their_captures_in_slots(self):
+        # The first stage packs id 0 (its last layer's output, id 1, is the
+        # stream the last stage receives and captures first); the last stage
+        # puts the received block in its first slot, then ids 1 and 3.
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        for bank in (False, True):
+            proxy, (hidden, aux) = _two_stages(layer_ids, embeds, bank=bank)
+            sent = proxy["dspark_hidden_states"]
+            torch.testing.assert_close(sent, _expected(embeds, [0]))
+            self.assertIsInstance(aux, torch.Tensor)
+            self.assertEqual(tuple(aux.shape), (TOKENS, len(layer_ids) * HIDDEN))
+            torch.testing.assert_close(aux, _expected(embeds, layer_ids))
+            torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
+            # The logits processor hands it on as it is: no concatenation.
+            self.assertIs(pack_aux_hidden_states(aux), aux)
+
+    def test_post_norm_last_capture_fills_the_last_slot(self):
+        # post_norm: the last layer's capture is the final read's output.
+        from sglang.srt.layers.aux_hidden_states import set_final_layer_capture
+
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        set_final_layer_capture("post_norm")
+        try:
+            for bank in (False, True):
+                _, (hidden, aux) = _two_stages(layer_ids, embeds, bank=bank)
+                torch.testing.assert_close(
+                    aux[:, : 2 * HIDDEN], _expected(embeds, [0, 1])
+                )
+                torch.testing.assert_close(aux[:, 2 * HIDDEN :], hidden)
+                torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
+        finally:
+            set_final_layer_capture("pre_norm")
+
+    def test_decode_graph_buffers_are_filled_in_place_on_each_stage(self):
+        # The first stage sends its graph buffer itself; the last stage's
+        # buffer holds every capture, the received ones first.
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        first = torch.full((TOKENS + 3, HIDDEN), float("nan"))
+        last = torch.full((TOKENS + 3, 3 * HIDDEN), float("nan"))
+        proxy, (_, aux) = _two_stages(
+            layer_ids, embeds, buffers=(first[:TOKENS], last[:TOKENS])
+        )
+        sent = proxy["dspark_hidden_states"]
+        self.assertEqual(
+            sent.untyped_storage().data_ptr(), first.untyped_storage().data_ptr()
+        )
+        torch.testing.assert_close(first[:TOKENS], _expected(embeds, [0]))
+        self.assertEqual(
+            aux.untyped_storage().data_ptr(), last.untyped_storage().data_ptr()
+        )
+        torch.testing.assert_close(last[:TOKENS], _expected(embeds, layer_ids))
+        self.assertTrue(torch.isnan(first[TOKENS:]).all())
+        self.assertTrue(torch.isnan(last[TOKENS:]).all())
+
+    def test_no_capture_returns_hidden_states_alone(self):
+        embeds = torch.randn(TOKENS, HIDDEN)
+        self.assertIsInstance(_run(_model(), embeds.clone()), torch.Tensor)
+        proxy, out = _two_stages(None, embeds)
+        self.assertNotIn("dspark_hidden_states", proxy.tensors)
+        self.assertIsInstance(out, torch.Tensor)
+
+    def test_causal_lm_reports_the_packed_width_per_stage(self):
+        def causal_lm(**stage):
+            lm = KimiK3LinearForCausalLM.__new__(KimiK3LinearForCausalLM)
+            nn.Module.__init__(lm)
+            lm.model = _model(**stage)
+            lm.config = types.SimpleNamespace(hidden_size=HIDDEN)
+            lm.capture_aux_hidden_states = False
+            return lm
+
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        for stage, width in (
+            ({}, 3 * HIDDEN),
+            # What the first stage sends on: ids before its last layer.
+            ({"end_layer": SPLIT}, HIDDEN),
+            # What the last stage returns: every id, the received ones included.
+            ({"start_layer": SPLIT}, 3 * HIDDEN),
+        ):
+            lm = causal_lm(**stage)
+            self.assertEqual(lm.get_aux_hidden_states_width(), 0)
+            lm.set_dspark_layers_to_capture(layer_ids)
+            self.assertEqual(lm.get_aux_hidden_states_width(), width, stage)
+
+
+if __name__ == "__main__":
+    unittest.main()
