@@ -25,6 +25,7 @@ FORWARDS = [
                  "longcat_flash", "bailing_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_next",
                  "qwen3_5", "gemma4", "granitemoehybrid", "laguna", "nanbeige", "glm5_next",
                  "minimax_m3", "lfm2", "lfm2_moe", "nemotron_h", "kimi_linear", "gemma3",
+                 "muse_glimmer",
                  # BeamModel's two loops (fused; plain, under CPU offload).
                  "beam", "beam_unfused")
     # Collected on every base; the files new in 0.5.23 have no spec on the pin.

@@ -59,6 +59,8 @@ CAUSAL_LM = {
     "nemotron_h": "NemotronHForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    # The multimodal MuseGlimmerForConditionalGeneration inherits its width.
+    "muse_glimmer": "MuseGlimmerForCausalLM",
     # Both of BeamModel's loops: the fused one and the plain one (CPU offload).
     "beam": "BeamForCausalLM",
     "beam_unfused": "BeamForCausalLM",

@@ -76,7 +76,7 @@ GRAPH_BREAKS = (
     "class=<class 'sglang.srt.layers.layer_boundary.",
 )
 # The models that do trace fullgraph on 0.5.23 (they do not use the boundaries).
-TRACES_FULLGRAPH = frozenset({"gemma3", "lfm2", "lfm2_moe", "beam", "beam_unfused"})
+TRACES_FULLGRAPH = frozenset({"gemma3", "lfm2", "lfm2_moe", "muse_glimmer", "beam", "beam_unfused"})
 
 __all__ = ["FIXED_BY", "GRAPH_BREAKS", "TRACES_FULLGRAPH", "layer_output", "running", "run_plain",
            "run_scattered", "current_batch", "standin_class", "standins", "mla_standin"]
