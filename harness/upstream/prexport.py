@@ -432,7 +432,11 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
         progress(f"  wrote {lay.rel(dest)} ({', '.join(patch_names)}); test fails without, passes with")
         written.append(dest)
     if written:
-        _verify_on_whole_series(lay, written, release)
+        # With --only, the bundles not rebuilt are checked too: a new patch can break an
+        # earlier bundle's test on the whole series (its template, as the bundle carries it).
+        others = [(p.id, *t) for p in patches if only and p.id not in only and p.forwarded
+                  and (t := template_for(p.id, lay.base)) is not None]
+        _verify_on_whole_series(lay, written, release, others)
     # Information, not a gate: does each bundle still apply to the releases after its base?
     from harness.upstream.drift import report_drift
 
@@ -440,18 +444,26 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
     return written
 
 
-def _verify_on_whole_series(lay: Layout, written: list[Path], release: str) -> None:
+def _verify_on_whole_series(lay: Layout, written: list[Path], release: str,
+                            others: list[tuple[str, str, str]] = ()) -> None:
     """Each bundle's test must also pass on the whole series (a clean checkout of the
     tree's HEAD): merged upstream in series order, a later PR must not break an earlier
     one's test (e.g. a packer family turning a list another test indexes into one
-    tensor). Two runs at a time, on one tree; the result goes into bundle.json."""
+    tensor). ``others``: (id, test path, source) of bundles not rebuilt this run
+    (``--only``), checked the same way. Two runs at a time, on one tree; the result goes
+    into bundle.json."""
     metas = [json.loads((d / "bundle.json").read_text()) for d in written]
-    progress(f"checking {len(written)} bundle test(s) on the whole {release} series")
+    sources = [(d / "upstream_test.py").read_text() for d in written]
+    for pid, test_path, src in others:
+        metas.append({"id": pid, "test": test_path})
+        sources.append(src)
+    progress(f"checking {len(metas)} bundle test(s) on the whole {release} series"
+             + (f" ({len(others)} of bundles not rebuilt)" if others else ""))
     with scratch(lay.build, "pr") as tmp:
         tree = _test_tree(lay, "with", git(lay.tree, "rev-parse", "HEAD").stdout.strip())
-        for d, meta in zip(written, metas):
+        for meta, src in zip(metas, sources):
             (tree / meta["test"]).parent.mkdir(parents=True, exist_ok=True)
-            (tree / meta["test"]).write_text((d / "upstream_test.py").read_text())
+            (tree / meta["test"]).write_text(src)
         results = []
         _settle()
         for i in range(0, len(metas), 2):

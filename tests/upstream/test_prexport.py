@@ -147,10 +147,11 @@ if __name__ == "__main__":
 
 
 def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | None = UPSTREAM_TEST,
-               later: str | None = None) -> Path:
+               later: str | None = None, later_template: str | None = None) -> Path:
     """A root with the pin plus base 9.9: a build tree at its base tag, a one-patch series
     (Forwarded: yes) that fixes ``sglang.answer``, and its upstream test template.
-    ``later``: a second patch (Forwarded: no) that sets ``answer.py`` to that text."""
+    ``later``: a second patch (Forwarded: no) that sets ``answer.py`` to that text;
+    with ``later_template``, Forwarded: yes, with that upstream test."""
     import harness.upstream.prexport as prexport
 
     # The drift check after the export reads the package index: a dead one here, so it
@@ -177,7 +178,8 @@ def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | 
     if later is not None:
         (pkg / "answer.py").write_text(later)
         run_git(tree, "commit", "-q", "-am",
-                "Change the answer\n\nBug: none.\n\nPatch-Id: change-answer\nForwarded: no")
+                "Change the answer\n\nBug: none.\n\nPatch-Id: change-answer\nForwarded: "
+                + ("yes" if later_template else "no"))
     names = subprocess.run(["git", "format-patch", f"base/v{BASE}..HEAD", "-o", str(root / "patches" / BASE)],
                            cwd=tree, check=True, capture_output=True, text=True).stdout.split()
     (root / "patches" / BASE / "series").write_text("".join(Path(n).name + "\n" for n in names))
@@ -185,6 +187,8 @@ def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | 
     (templates / BASE).mkdir(parents=True)
     if template is not None:
         (templates / BASE / "fix_answer.py").write_text(template)
+    if later_template is not None:
+        (templates / BASE / "change_answer.py").write_text(later_template)
     monkeypatch.setattr(prexport, "TEMPLATES", templates)
     return root
 
@@ -249,6 +253,24 @@ def test_bundle_test_must_pass_on_the_whole_series(tmp_path, monkeypatch):
     assert "43 != 42" in msg and len(msg.splitlines()) == 1
     meta = json.loads((root / "build" / "pr" / "fix-answer" / "bundle.json").read_text())
     assert meta["verified"]["test_on_whole_series"].startswith("FAILED")
+
+
+def test_only_still_checks_the_other_bundles_on_the_whole_series(tmp_path, monkeypatch):
+    """``--only`` a later patch: the earlier bundles' tests run on the whole series too,
+    since the later patch can break them (as a packer family broke 0002's template)."""
+    from harness import HarnessError
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch, later=FIXED.replace("42", "43"),
+                      later_template=UPSTREAM_TEST.replace("test_answer", "test_change").replace("42", "43"))
+    with pytest.raises(HarnessError) as exc:
+        export_from_base(layout(root, base=BASE), only=["change-answer"])
+    msg = str(exc.value)
+    assert msg.startswith("fix-answer: test/registered/unit/test_answer.py fails on the whole 9.9 series")
+    assert "change-answer" not in msg and len(msg.splitlines()) == 1
+    meta = json.loads((root / "build" / "pr" / "change-answer" / "bundle.json").read_text())
+    assert meta["deps"] == ["fix-answer"] and meta["verified"]["test_on_whole_series"] == "OK"
+    assert not (root / "build" / "pr" / "fix-answer").exists()
 
 
 def test_bundle_from_base_rejects_a_test_that_passes_without_the_patch(tmp_path, monkeypatch):

@@ -272,12 +272,8 @@ class TestModelsCaptureFinalLayer(CustomTestCase):
         # norm's input, and the setter must accept its id.
         embeds = torch.randn(TOKENS, HIDDEN)
         model = _muse_glimmer([1, NUM_LAYERS])
-        hidden, aux = model.forward(
-            input_ids=None,
-            positions=torch.arange(TOKENS),
-            forward_batch=None,
-            input_embeds=embeds.clone(),
-        )
+        hidden, aux = _run(model, embeds.clone())
+        aux = _captures(aux)
         self.assertEqual(len(aux), 2, "expected one capture per layer")
         torch.testing.assert_close(aux[0], _output_of(embeds, 0))
         torch.testing.assert_close(aux[1], _output_of(embeds, NUM_LAYERS - 1))
