@@ -79,14 +79,32 @@ def _peak(model, spec, tokens: int, layers: Sequence[int], device: str) -> tuple
         hidden, aux = forward()
         if aux is None:
             return whole, 0
-        parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
-        held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parts}.values())
-        with make_tracker(device) as tracker:
-            packed = pack_aux_hidden_states(aux)
-        del packed
-        return whole, held + int(tracker.peak_bytes)
+        return whole, capture_path_bytes(aux, device)
     finally:
         spec.configure(model, [])
+
+
+def held_bytes(aux) -> int:
+    """Bytes of the distinct storages a forward's captures live in (a list of tensors,
+    or one packed tensor)."""
+    import torch
+
+    parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parts}.values())
+
+
+def capture_path_bytes(aux, device: str = "cpu") -> int:
+    """What the capture path holds at its peak: the captures a forward returned (held)
+    plus what ``pack_aux_hidden_states`` adds to hand them to the draft. List + cat:
+    2 x K*T*H*itemsize; the packer: 1 x."""
+    from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+
+    from harness.memory.tracker import make_tracker
+
+    with make_tracker(device) as tracker:
+        packed = pack_aux_hidden_states(aux)
+    del packed
+    return held_bytes(aux) + int(tracker.peak_bytes)
 
 
 def model_capture_peaks(
@@ -123,4 +141,4 @@ def model_capture_peaks(
     return out
 
 
-__all__ = ["pin_module", "model_capture_peaks"]
+__all__ = ["pin_module", "model_capture_peaks", "held_bytes", "capture_path_bytes"]

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import threading
 import weakref
+import contextlib
 from typing import Any, Callable
 
-__all__ = ["LiveStorageTracker", "CudaPeakTracker", "make_tracker"]
+__all__ = ["LiveStorageTracker", "CudaPeakTracker", "make_tracker", "untracked"]
 
 
 def _dispatch_mode_base() -> type:
@@ -235,3 +236,14 @@ def make_tracker(device: Any = "cpu", warmup: Callable[[], Any] | None = None) -
     if warmup is not None:
         warmup()
     return _Tracker.get()(str(torch.device(device).type))
+
+
+@contextlib.contextmanager
+def untracked():
+    """Allocations inside are invisible to an active :func:`LiveStorageTracker`: for a
+    stand-in's own compute, which a measured model does not own (a whole-layer stand-in
+    on the real residual stream, where only the model's capture path is measured)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield

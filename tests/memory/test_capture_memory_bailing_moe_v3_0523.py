@@ -20,10 +20,12 @@ list + cat: 2 x K*T*H*itemsize; the packer: 1 x. Only the last pipeline stage ca
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
+
+from harness.memory.models import capture_path_bytes
+from harness.memory.tracker import untracked
 
 pytestmark = pytest.mark.bases("0.5.23")
 
@@ -31,15 +33,6 @@ GUARD = pytest.mark.guards("bailing-moe-v3-aux-packer")
 NUM_LAYERS = 6
 HIDDEN = 16
 IDS = [1, 3, NUM_LAYERS - 1]  # layer outputs; the last is the final norm's capture
-
-
-@contextlib.contextmanager
-def _untracked():
-    """The stand-ins' own compute: invisible to the live-storage tracker."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        yield
 
 
 def _standins():
@@ -60,11 +53,11 @@ def _standins():
 
         def forward(self, hidden_states, positions, forward_batch, zero_allocator,
                     capture_output=None):
-            with _untracked():
+            with untracked():
                 hidden_states = residual_batch.fold(hidden_states, forward_batch)
             if capture_output is not None:
                 capture_output(hidden_states)
-            with _untracked():
+            with untracked():
                 added = torch.full_like(hidden_states, float(self.layer_id + 1))
                 return residual_batch.stream_of(forward_batch).record(added, PLAIN_ADD)
 
@@ -72,7 +65,7 @@ def _standins():
         """Fused add + norm (``0.5 * (h + r)``), in place like the GPU kernel."""
 
         def forward(self, hidden_states, residual=None):
-            with _untracked():
+            with untracked():
                 if residual is None:
                     return hidden_states.mul_(0.5)
                 residual.add_(hidden_states)
@@ -137,15 +130,6 @@ def _after(embeds, layer_id):
     return embeds + float(sum(range(1, layer_id + 2)))
 
 
-def _held(aux):
-    """Bytes of the distinct storages the handed-over captures live in."""
-    import torch
-
-    parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in parts}.values())
-
-
 def _peaks(module, embeds, monkeypatch):
     """(held + pack, as ``_peak``; all the forward and the pack allocate) of one model."""
     import torch
@@ -157,10 +141,7 @@ def _peaks(module, embeds, monkeypatch):
     monkeypatch.setattr(module, "BumpAllocator", _NoBump)
     model = _lm(module).model
     _, aux = _forward(model, embeds.clone())
-    with make_tracker("cpu") as tracker:
-        packed = pack_aux_hidden_states(aux)
-    del packed
-    capture_path = _held(aux) + int(tracker.peak_bytes)
+    capture_path = capture_path_bytes(aux)
     del aux
     # The forward's inputs exist before it runs: the tracker's baseline.
     source, positions, batch = embeds.clone(), torch.arange(embeds.shape[0]), _batch()

@@ -125,20 +125,13 @@ def _expected(embeds, layer_ids):
 def _capture_path_bytes(model, embeds):
     """The captures the forward returns plus what packing them adds (live storage)."""
     import torch
-
     from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 
-    from harness.memory.tracker import make_tracker
+    from harness.memory.models import capture_path_bytes
 
     _, aux = _forward(model, embeds)
-    parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
-    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in parts}.values())
-    with make_tracker("cpu") as tracker:
-        packed = pack_aux_hidden_states(aux)
-    torch.testing.assert_close(packed, _expected(embeds, LAYER_IDS))
-    del packed
-    return held + int(tracker.peak_bytes)
+    torch.testing.assert_close(pack_aux_hidden_states(aux), _expected(embeds, LAYER_IDS))
+    return capture_path_bytes(aux)
 
 
 def _patched():

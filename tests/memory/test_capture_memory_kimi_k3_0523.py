@@ -25,10 +25,12 @@ K = K1 + K2 on the last:
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
+
+from harness.memory.models import capture_path_bytes
+from harness.memory.tracker import untracked
 
 pytestmark = pytest.mark.bases("0.5.23")
 
@@ -42,15 +44,6 @@ IDS = [0, 2, 3, NUM_LAYERS - 1]
 K1 = 1
 
 
-@contextlib.contextmanager
-def _untracked():
-    """The stand-ins' own compute: invisible to the live-storage tracker."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        yield
-
-
 def _standins():
     import torch
     from torch import nn
@@ -62,7 +55,7 @@ def _standins():
         """A stage's entry: a fresh stream holding the received output."""
 
         def from_pp(self, pp_proxy_tensors, forward_batch):
-            with _untracked():
+            with untracked():
                 residual_batch.start(forward_batch)
                 return pp_proxy_tensors["hidden_states"] + pp_proxy_tensors["residual"]
 
@@ -78,11 +71,11 @@ def _standins():
 
         def forward(self, positions, hidden_states, forward_batch, zero_allocator,
                     capture_gathered=None):
-            with _untracked():
+            with untracked():
                 hidden_states = residual_batch.fold(hidden_states, forward_batch)
             if capture_gathered is not None:
                 capture_gathered.capture(hidden_states)
-            with _untracked():
+            with untracked():
                 added = torch.full_like(hidden_states, float(self.layer_id + 1))
                 return residual_batch.stream_of(forward_batch).record(added, PLAIN_ADD)
 
@@ -90,7 +83,7 @@ def _standins():
         """Fused add + norm (``0.5 * (h + r)``), in place like the GPU kernel."""
 
         def forward(self, hidden_states, residual=None):
-            with _untracked():
+            with untracked():
                 if residual is None:
                     return hidden_states.mul_(0.5)
                 residual.add_(hidden_states)
@@ -168,15 +161,6 @@ def _received(proxy):
     return PPProxyTensors({k: v.clone() for k, v in proxy.tensors.items()})
 
 
-def _held(aux):
-    """Bytes of the distinct storages the handed-over captures live in."""
-    import torch
-
-    parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in parts}.values())
-
-
 def _peaks(module, embeds, monkeypatch):
     """(first stage: all its forward allocates; last stage: held + pack, as ``_peak``;
     last stage: all its forward and the pack allocate) of one model file."""
@@ -198,10 +182,7 @@ def _peaks(module, embeds, monkeypatch):
     del proxy
 
     _, aux = _forward(last, None, positions, _batch(), _received(received))
-    with make_tracker("cpu") as tracker:
-        packed = pack_aux_hidden_states(aux)
-    del packed
-    handed_over = _held(aux) + int(tracker.peak_bytes)
+    handed_over = capture_path_bytes(aux)
     del aux
 
     inherited, batch = _received(received), _batch()

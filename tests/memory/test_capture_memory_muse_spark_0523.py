@@ -77,19 +77,10 @@ def _forward(model, embeds, buffer=None):
 
 def _capture_path_bytes(model, embeds):
     """The captures' storage the forward returns plus the peak of packing them."""
-    import torch
-
-    from harness.memory.tracker import make_tracker
-    from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+    from harness.memory.models import capture_path_bytes
 
     _, aux = _forward(model, embeds.clone())
-    parts = [aux] if isinstance(aux, torch.Tensor) else list(aux)
-    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in parts}.values())
-    with make_tracker("cpu") as tracker:
-        packed = pack_aux_hidden_states(aux)
-    del packed
-    return held + int(tracker.peak_bytes)
+    return capture_path_bytes(aux)
 
 
 def _expected(embeds, layer_ids):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.memory.tracker import CudaPeakTracker, LiveStorageTracker, make_tracker
+from harness.memory.tracker import CudaPeakTracker, LiveStorageTracker, make_tracker, untracked
 
 T, H, K = 12, 32, 4
 F32 = 4
@@ -48,6 +48,18 @@ def test_packer_style_copy_into_preallocated_buffer_allocates_nothing_more():
         # peak = buffer + one capture; the copies themselves allocate nothing
         assert t.peak_bytes == K * T * H * F32 + T * H * F32
         assert t.current_bytes == K * T * H * F32
+
+
+def test_untracked_allocations_are_invisible():
+    """A stand-in's own compute (``untracked``) does not count; what it hands back is
+    the caller's, and writing into a tracked buffer stays free."""
+    with LiveStorageTracker() as t:
+        out = torch.empty(T, K * H)
+        with untracked():
+            scratch = torch.randn(T, H)
+            out[:, :H].copy_(scratch)
+        del scratch
+        assert t.current_bytes == t.peak_bytes == T * K * H * F32 and t.n_allocs == 1
 
 
 def test_views_and_inplace_allocate_nothing():
