@@ -57,6 +57,7 @@ BIG = 60.0       # target lm_head[Z, C0]
 A, B = 200.0, 1.0  # exact draft lm_head[Z, D1], lm_head[Z_DECOY, C0]
 G = U = 3.0      # the marker unit's gate/up weight on C0
 SIGMA = 0.15     # random weights
+PERTURB_SCALE = 0.3  # noise on what transformers initialises to a constant
 
 
 def anchors() -> list[int]:
@@ -87,6 +88,30 @@ def _edit_safetensors(path: Path, edit) -> None:
     tensors = load_file(str(files[0]))
     edit(tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(files[0]), metadata={"format": "pt"})
+
+
+def perturb(model, seed: int = 7) -> list[str]:
+    """Add seeded noise (``PERTURB_SCALE``) to every floating tensor of ``model``'s state
+    dict that holds one constant: what transformers initialises norm weights (1, or 0
+    for Gemma's ``1 + w``), biases and router correction biases to. Tensors a family's
+    ``prepare`` already set (GPT-OSS's sinks) are left as they are. Returns the names."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    done = []
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+            if not data.is_floating_point() or data.numel() == 0:
+                continue
+            flat = data.reshape(-1)
+            if not bool((flat == flat[0]).all()):
+                continue
+            noise = torch.randn(data.shape, generator=gen) * PERTURB_SCALE
+            data.add_(noise.to(data.dtype))
+            done.append(name)
+    return done
+
 
 
 def _randomize(model, seed: int) -> None:
