@@ -111,10 +111,14 @@ class FeatureCase:
     family: str
     capture: str = "pre_norm"  # the last layer's side of the final norm
     tp: int = 1
+    # The id convention --speculative-algorithm names: EAGLE3 (the model's EAGLE3 setter)
+    # or DFLASH (its DFlash setter); both read id j as hidden_states[j + 1].
+    method: str = "EAGLE3"
 
     @property
     def key(self) -> str:
-        return f"{self.family}-{self.capture}" + (f"-tp{self.tp}" if self.tp > 1 else "")
+        method = "" if self.method == "EAGLE3" else f"-{self.method.lower()}"
+        return f"{self.family}{method}-{self.capture}" + (f"-tp{self.tp}" if self.tp > 1 else "")
 
     @property
     def attention(self) -> str:
@@ -177,7 +181,7 @@ def requests(seed: int = 3) -> dict[str, list[list[int]]]:
 def engine_config(case: FeatureCase, ckpt: Checkpoint) -> EngineConfig:
     extra: dict[str, Any] = dict(
         enable_return_aux_hidden_states=True,
-        speculative_algorithm="EAGLE3",  # the id convention only (reset to None)
+        speculative_algorithm=case.method,  # the id convention only (reset to None)
         return_aux_hidden_state_layer_ids=list(layer_ids(ckpt.layers)),
         attention_backend=case.attention,
         disable_radix_cache=False,
@@ -381,14 +385,19 @@ def known_failure(case: FeatureCase, rows: str) -> str | None:
 
 # Every family SGLang 0.5.23's CPU engine serves here (docs/MODELS.md, "The return-aux
 # tier", lists the others and why each does not run), pre_norm and post_norm; TP 2 for
-# one dense and one MoE family whose layers defer their all-reduce.
+# llama and three families whose layers defer their all-reduce (gloo: no fusion on the
+# CPU); the DFLASH
+# convention (0.5.23 refuses DFLASH decoding on the CPU, but capture-only resets the
+# algorithm first) for three families with a DFlash setter of their own.
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma3", "glm4_moe",
     "apertus", "arcee", "glm4", "gemma3_mm", "glm4_moe_lite", "minimax_m2", "longcat_flash",
     "llama4", "qwen2_moe", "qwen3_next",
 )
-TP2_FAMILIES = ("llama", "qwen3_moe")
+TP2_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "glm4_moe")
+DFLASH_FAMILIES = ("llama", "qwen3_moe", "gpt_oss")
 FEATURE_CASES = tuple(
     [FeatureCase(f, capture) for f in FAMILIES for capture in CAPTURES]
     + [FeatureCase(f, "pre_norm", tp=2) for f in TP2_FAMILIES]
+    + [FeatureCase(f, "pre_norm", method="DFLASH") for f in DFLASH_FAMILIES]
 )

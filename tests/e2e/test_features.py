@@ -48,7 +48,8 @@ def _guards(case: FeatureCase) -> list[str]:
     patches = set()
     if spec is not None:
         bugs = spec.bugs()
-        patches = {spec.patch_for(b) for b in VALUE_BUGS if b in bugs} - {None}
+        wanted = VALUE_BUGS + (("R",) if case.method == "DFLASH" else ())  # R: no DFlash setter
+        patches = {spec.patch_for(b) for b in wanted if b in bugs} - {None}
     if case.capture == "post_norm":
         patches.add(features.FINAL_LAYER_CAPTURE)
     return sorted(patches)
