@@ -84,17 +84,19 @@ def load(checkpoint: str):
 
 
 def request_captures(model, eagle3: Any = None, dflash: Any = None,
-                     final_layer_capture: Optional[str] = None) -> None:
+                     final_layer_capture: Optional[str] = None,
+                     deepstack_capture: Optional[str] = None) -> None:
     """Ask ``model`` for captures through what the model runner calls at start-up.
 
     ``eagle3``: the EAGLE3 draft's ``eagle_aux_hidden_state_layer_ids`` (``"default"``
     for a draft config without them: None); ``dflash``: DFlash's resolved target layer
     ids; ``final_layer_capture``: the draft config's ``final_layer_capture`` (None: the
-    key is absent). The pin's ``ModelRunner.init_aux_hidden_state_capture`` reads them
-    from the runner, which resolved the last with ``resolve_final_layer_capture``;
-    0.5.23's ``configure_aux_hidden_state_capture`` takes them as arguments. A tree
-    without the setting (``final-layer-capture``) ignores it at the pin and refuses
-    the argument on 0.5.23.
+    key is absent); ``deepstack_capture``: its ``deepstack_capture`` (None: absent, the
+    model's default). The pin's ``ModelRunner.init_aux_hidden_state_capture`` reads
+    them from the runner, which resolved the last two with ``resolve_final_layer_capture``
+    / ``resolve_deepstack_capture``; 0.5.23's ``configure_aux_hidden_state_capture``
+    takes them as arguments. A tree without a setting's patch has no resolver for it
+    (ImportError) and, on 0.5.23, refuses the argument.
     """
     eagle_ids = None if eagle3 in (None, "default") else list(eagle3)
     state = dict(
@@ -103,13 +105,18 @@ def request_captures(model, eagle3: Any = None, dflash: Any = None,
         dflash_use_aux_hidden_state=dflash is not None,
         dflash_target_layer_ids=None if dflash is None else list(dflash),
     )
+    source = "eagle_config" if eagle3 is not None else "dflash_config"
     resolved = "pre_norm"
     if final_layer_capture is not None:
         from sglang.srt.layers.aux_hidden_states import resolve_final_layer_capture
 
-        source = "eagle_config" if eagle3 is not None else "dflash_config"
         resolved = resolve_final_layer_capture(
             None, {"final_layer_capture": final_layer_capture}, source)
+    if deepstack_capture is not None:
+        from sglang.srt.layers.aux_hidden_states import resolve_deepstack_capture
+
+        state["deepstack_capture"] = resolve_deepstack_capture(
+            None, {"deepstack_capture": deepstack_capture}, source)
     import importlib.util
 
     setup = "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
@@ -119,7 +126,8 @@ def request_captures(model, eagle3: Any = None, dflash: Any = None,
 
         ModelRunner.init_aux_hidden_state_capture(
             SimpleNamespace(model=model, server_args=get_global_server_args(),
-                            final_layer_capture=resolved, **state))
+                            final_layer_capture=resolved,
+                            **{"deepstack_capture": None, **state}))
         return
     if final_layer_capture is not None:
         state["final_layer_capture"] = resolved
