@@ -102,10 +102,11 @@ def test_model_runner_says_two_batch_overlap_is_off_while_capturing(sglang_tp1, 
             if importlib.util.find_spec("sglang.srt.model_executor.model_runner_components") is None:
                 from sglang.srt.model_executor.model_runner import ModelRunner
 
-                # final_layer_capture: what ModelRunner.__init__ resolves (pin 0016)
+                # final_layer_capture, deepstack_capture: what ModelRunner.__init__
+                # resolves (pin 0016, 0017)
                 ModelRunner.init_aux_hidden_state_capture(SimpleNamespace(
                     model=_Model(), server_args=SimpleNamespace(enable_two_batch_overlap=tbo),
-                    final_layer_capture="pre_norm", **flags))
+                    final_layer_capture="pre_norm", deepstack_capture=None, **flags))
             else:
                 setup = importlib.import_module(setup_mod)
                 overlap = SimpleNamespace(overlap=SimpleNamespace(enable_two_batch_overlap=tbo))
