@@ -124,8 +124,12 @@ def request_captures(model, eagle3: Any = None, dflash: Any = None,
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import get_global_server_args
 
+        config = model.config
+        text_config = getattr(config, "text_config", None) or config
         ModelRunner.init_aux_hidden_state_capture(
             SimpleNamespace(model=model, server_args=get_global_server_args(),
+                            model_config=SimpleNamespace(
+                                num_hidden_layers=text_config.num_hidden_layers),
                             final_layer_capture=resolved,
                             **{"deepstack_capture": None, **state}))
         return

@@ -126,6 +126,7 @@ def _configure(model, deepstack_capture):
 
         ModelRunner.init_aux_hidden_state_capture(SimpleNamespace(
             model=model, server_args=SimpleNamespace(enable_two_batch_overlap=False),
+            model_config=SimpleNamespace(num_hidden_layers=4),
             final_layer_capture="pre_norm", deepstack_capture=deepstack_capture, **state))
         return
     from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
