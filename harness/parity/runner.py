@@ -124,19 +124,28 @@ def request_captures(model, eagle3: Any = None, dflash: Any = None,
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import get_global_server_args
 
-        config = model.config
-        text_config = getattr(config, "text_config", None) or config
         ModelRunner.init_aux_hidden_state_capture(
             SimpleNamespace(model=model, server_args=get_global_server_args(),
-                            model_config=SimpleNamespace(
-                                num_hidden_layers=text_config.num_hidden_layers),
+                            model_config=SimpleNamespace(num_hidden_layers=_num_layers(model)),
                             final_layer_capture=resolved,
                             **{"deepstack_capture": None, **state}))
         return
     if final_layer_capture is not None:
         state["final_layer_capture"] = resolved
-    importlib.import_module(setup).configure_aux_hidden_state_capture(
-        model=model, is_dspark=False, **state)
+    configure = importlib.import_module(setup).configure_aux_hidden_state_capture
+    if "num_layers" in inspect.signature(configure).parameters:
+        # What the model runner passes (SpecAuxHiddenStateConfig.target_num_layers),
+        # where the tree has it (post-norm-ignored-warning).
+        state["num_layers"] = _num_layers(model)
+    configure(model=model, is_dspark=False, **state)
+
+
+def _num_layers(model) -> int:
+    """The layers a capture id can name, from the model's config as the model runner
+    reads it: its text config's ``num_hidden_layers`` (unrolled over a loop model's
+    ``num_loops``)."""
+    text = getattr(model.config, "text_config", None) or model.config
+    return int(text.num_hidden_layers) * int(getattr(text, "num_loops", 1))
 
 
 # ------------------------------------------------------------------ batch
