@@ -67,14 +67,15 @@ def init(rank: int, world_size: int, **kwargs: Any):
 # ------------------------------------------------------------------ loading
 
 
-def load(checkpoint: str):
-    """SGLang's model for ``checkpoint``, built and loaded the way the engine does."""
+def load(checkpoint: str, dtype: str = "float32"):
+    """SGLang's model for ``checkpoint``, built and loaded the way the engine does, in
+    ``dtype`` (``--dtype``)."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader import get_model
 
-    model_config = ModelConfig(model_path=checkpoint, trust_remote_code=False, dtype="float32")
+    model_config = ModelConfig(model_path=checkpoint, trust_remote_code=False, dtype=dtype)
     model = get_model(
         model_config=model_config,
         load_config=LoadConfig(load_format="auto"),
@@ -152,21 +153,21 @@ def _num_layers(model) -> int:
 
 
 def _kv_pool(model_config, tp: int, size: int):
-    """The KV pool the model runner would create for ``model_config`` (MHA or MLA)."""
-    import torch
+    """The KV pool the model runner would create for ``model_config`` (MHA or MLA), in
+    the model's dtype (``--kv-cache-dtype auto``)."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     layers = model_config.num_hidden_layers
     if model_config.attention_arch == AttentionArch.MLA:
         return MLATokenToKVPool(
-            size=size, page_size=1, dtype=torch.float32,
+            size=size, page_size=1, dtype=model_config.dtype,
             kv_lora_rank=model_config.kv_lora_rank,
             qk_rope_head_dim=model_config.qk_rope_head_dim,
             layer_num=layers, device="cpu", enable_memory_saver=False,
         )
     return MHATokenToKVPool(
-        size=size, page_size=1, dtype=torch.float32,
+        size=size, page_size=1, dtype=model_config.dtype,
         head_num=model_config.get_num_kv_heads(tp), head_dim=model_config.head_dim,
         v_head_dim=getattr(model_config, "v_head_dim", None),
         layer_num=layers, device="cpu", enable_memory_saver=False,
@@ -214,7 +215,7 @@ def attention_backend(kind: str, model_config, req_to_token, kv):
         device="cpu", gpu_id=0, model_config=model_config, server_args=server_args,
         req_to_token_pool=req_to_token, token_to_kv_pool=kv, token_to_kv_pool_allocator=None,
         sliding_window_size=None, hybrid_gdn_config=None, kimi_linear_config=None,
-        linear_attn_model_spec=None, is_draft_worker=False, kv_cache_dtype=torch.float32,
+        linear_attn_model_spec=None, is_draft_worker=False, kv_cache_dtype=model_config.dtype,
         kv_index_translator=translator, decode_num_tokens_per_req=lambda: 1,
         spec_algorithm=SpeculativeAlgorithm.NONE,
     )
