@@ -25,6 +25,17 @@ GUARD = pytest.mark.guards("post-norm-ignored-warning")
 NUM_LAYERS = 8
 
 
+@pytest.fixture(autouse=True)
+def _process_setting_restored():
+    """The start-up sets this process's final-layer capture (a module global, the model
+    runner's setting for its target): put the default back, so a later test in this
+    worker (a TP 1 reference computed here) does not run with post_norm."""
+    yield
+    from sglang.srt.layers.aux_hidden_states import set_final_layer_capture
+
+    set_final_layer_capture("pre_norm")
+
+
 def _ignored(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if "final_layer_capture='post_norm' is ignored" in r.getMessage()]
