@@ -1,7 +1,8 @@
 """transformers' side of the parity tier: a tiny checkpoint and what it computes.
 
 :func:`make_checkpoint` writes a random-weight checkpoint of a family with
-``save_pretrained`` (seeded, float32); :func:`reference` runs transformers on the
+``save_pretrained`` (seeded, float32), every 1-D tensor it holds moved off transformers'
+initialisation first (:func:`perturb`); :func:`reference` runs transformers on the
 parity prompts, one prompt at a time, and returns per token (prompts concatenated, as
 SGLang packs an extend batch):
 
@@ -26,12 +27,49 @@ from harness.parity.families import Family
 # per-request attention and last-token pruning all run).
 PROMPT_LENGTHS = (7, 5)
 
+# The common perturbation (:func:`perturb`): the half-width of the uniform noise added
+# to every 1-D tensor of a checkpoint, by kind.
+PERTURB_BIAS = 0.2
+PERTURB_OTHER = 0.5
+
 
 def prompts(vocab_size: int, seed: int = 11) -> list[list[int]]:
     import torch
 
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def one_dimensional(model) -> dict[str, Any]:
+    """Every 1-D floating-point tensor a checkpoint of ``model`` holds, by name: its 1-D
+    parameters and its persistent 1-D buffers (routers' ``e_score_correction_bias``,
+    Gemma 4's ``layer_scalar``)."""
+    persistent = model.state_dict(keep_vars=True)
+    return {name: t for name, t in sorted(persistent.items())
+            if t.dim() == 1 and t.is_floating_point()}
+
+
+def perturb(model, seed: int = 1) -> None:
+    """Move every 1-D tensor of ``model``'s checkpoint (:func:`one_dimensional`) off
+    transformers' initialisation, in place.
+
+    transformers initialises every norm weight to 1 (a zero-centred norm's, used as
+    ``1 + w``, to 0: Gemma's, Qwen3-Next's), every bias and router correction bias to 0
+    and Gemma 4's layer scalars to 1, so a capture taken through the wrong norm, a norm
+    weight that failed to load or a bias left out would match. Each gets seeded uniform
+    noise added: ``U(-PERTURB_BIAS, PERTURB_BIAS)`` for a bias (``*bias``),
+    ``U(-PERTURB_OTHER, PERTURB_OTHER)`` for any other (norm weights around 1, or around
+    0 for zero-centred norms; mixer vectors such as ``A_log``, ``D``, ``dt_bias``;
+    per-head sinks; scales). Tensors are drawn in name order, so the values depend on
+    the seed and the architecture only."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in one_dimensional(model).items():
+            width = PERTURB_BIAS if name.endswith("bias") else PERTURB_OTHER
+            noise = (torch.rand(tensor.shape, generator=g, dtype=torch.float64) * 2 - 1) * width
+            tensor.add_(noise.to(tensor.dtype))
 
 
 def _module(root: Any, path: str) -> Any:
@@ -59,8 +97,10 @@ def _no_hub_kernels() -> None:
             setattr(hub_kernels, flag, False)
 
 
-def hf_model(family: Family, seed: int = 0):
-    """A fresh transformers model of ``family`` with seeded random weights (float32)."""
+def hf_model(family: Family, seed: int = 0, perturbed: bool = True):
+    """A fresh transformers model of ``family`` with seeded random weights (float32),
+    every 1-D tensor perturbed (:func:`perturb`; ``perturbed=False``: transformers' own
+    init, for the tests of that step), then the family's own ``prepare``."""
     import torch
     import transformers
 
@@ -71,15 +111,18 @@ def hf_model(family: Family, seed: int = 0):
     torch.manual_seed(seed)
     model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.eval()
+    if perturbed:
+        perturb(model, seed + 1)
     if family.prepare is not None:
         with torch.no_grad():
             family.prepare(model)
     return model
 
 
-def make_checkpoint(family: Family, directory: Path, seed: int = 0):
-    """Write ``family``'s tiny checkpoint to ``directory``; returns the transformers model."""
-    model = hf_model(family, seed)
+def make_checkpoint(family: Family, directory: Path, seed: int = 0, perturbed: bool = True):
+    """Write ``family``'s tiny checkpoint to ``directory``; returns the transformers model
+    (``perturbed``: see :func:`hf_model`)."""
+    model = hf_model(family, seed, perturbed)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
     if family.config_json:

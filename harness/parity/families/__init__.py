@@ -76,7 +76,9 @@ class Family:
     hf_final_norm: str = "model.norm"
     # Fields SGLang reads that transformers' config does not write (config.json).
     config_json: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # After transformers' init, before save_pretrained: e.g. make a feature visible.
+    # After transformers' init and the common perturbation of every 1-D tensor
+    # (harness.parity.reference.perturb), before save_pretrained: e.g. a value a
+    # checkpoint must hold in another dtype, or a layout.
     prepare: Optional[Callable[[Any], None]] = None
     # SGLang's attention backend on the CPU: torch_native, or triton (interpreted) where
     # torch_native lacks the family's path (MLA prefill), or "module:function" building

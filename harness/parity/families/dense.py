@@ -107,17 +107,6 @@ def _exaone_moe_json() -> dict:
             "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
-def _exaone_bias(model) -> None:
-    """A visible router correction bias (transformers initialises it to zeros)."""
-    import torch
-
-    g = torch.Generator().manual_seed(5)
-    for module in model.modules():
-        bias = getattr(module, "e_score_correction_bias", None)
-        if isinstance(bias, torch.Tensor):
-            bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
-
-
 FAMILIES = [
     Family(
         name="apertus",
@@ -152,7 +141,6 @@ FAMILIES = [
         config=_exaone_moe,
         spec="exaone_moe",
         config_json=_exaone_moe_json(),
-        prepare=_exaone_bias,
     ),
 ]
 # The same model with a window shorter than the prompts: SGLang's sliding layers attend

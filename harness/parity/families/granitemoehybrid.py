@@ -55,20 +55,6 @@ def _config():
     )
 
 
-def _prepare(model) -> None:
-    """Non-trivial values where transformers' init leaves ones or an arange (the mixers'
-    ``D``, ``dt_bias``, ``A_log`` and every norm weight): a head-sharding or loading slip
-    in them would otherwise not show."""
-    import torch
-
-    g = torch.Generator().manual_seed(5)
-    for name, p in model.named_parameters():
-        if name.endswith((".D", ".dt_bias")) or "norm" in name:
-            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-        elif name.endswith(".A_log"):
-            p.copy_(torch.rand(p.shape, generator=g) * 1.5)
-
-
 FAMILIES = [
     Family(
         name="granitemoehybrid",
@@ -77,7 +63,6 @@ FAMILIES = [
         hf_model_class="GraniteMoeHybridForCausalLM",
         config=_config,
         spec="granitemoehybrid",
-        prepare=_prepare,
         config_json={"layer_types": list(_LAYER_TYPES)},
         attention="harness.parity.mamba:backend",
         setup="harness.parity.mamba:setup",
