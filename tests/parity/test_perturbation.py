@@ -11,15 +11,14 @@ SGLang):
   the one it writes without the step in every element of every 1-D tensor it holds;
 * ``test_pre_and_post_norm_differ``: on the perturbed checkpoint, the stream entering
   transformers' final norm (a ``pre_norm`` last-layer capture) and the norm's output
-  (``hidden_states[L]``, a ``post_norm`` one) differ by far more than the tolerance the
-  parity tier compares with (``MARGIN`` times it): a last capture taken on the wrong
-  side of the final norm fails there, in every family.
+  (``hidden_states[L]``, a ``post_norm`` one) differ, at every forward's rows, by far
+  more than the tolerance the parity tier compares with (``MARGIN`` times it): a last
+  capture taken on the wrong side of the final norm fails there, in every family.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from harness.parity import reference
 from harness.parity.families import BOTH_BASES, families
@@ -68,11 +67,15 @@ def test_every_1d_tensor_moves(name, tmp_path):
 def test_pre_and_post_norm_differ(name):
     fam = _family(name)
     model = reference.hf_model(fam)
-    ref = reference.reference(fam, model, reference.prompts(fam.config()["vocab_size"]))
-    post = ref["hidden_states"][ref["num_layers"]]
-    tolerance = fam.atol * max(float(post.abs().max()), 1.0)
-    apart = float((ref["pre_norm"] - post).abs().max())
-    assert apart > MARGIN * tolerance, (
-        f"{name}: the pre_norm and post_norm references differ by {apart:.3g}, "
-        f"not more than {MARGIN} x the tier's tolerance {tolerance:.3g}"
-    )
+    vocab_size = fam.config()["vocab_size"]
+    ref = reference.reference(fam, model, reference.prompts(vocab_size),
+                              reference.appended_tokens(vocab_size))
+    L = ref["num_layers"]
+    for mode, forward in (("extend", ref), *ref["modes"].items()):
+        post = forward["hidden_states"][L]
+        tolerance = fam.atol * max(float(post.abs().max()), 1.0)
+        apart = float((forward["pre_norm"] - post).abs().max())
+        assert apart > MARGIN * tolerance, (
+            f"{name} {mode}: the pre_norm and post_norm references differ by {apart:.3g}, "
+            f"not more than {MARGIN} x the tier's tolerance {tolerance:.3g}"
+        )
