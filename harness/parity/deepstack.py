@@ -167,10 +167,11 @@ def run_case(checkpoint: str, prompts, tp: int, deepstack, fusions: Sequence[str
                     results.append({"error": request_error, **key})
                     continue
                 try:
-                    input_ids, positions, fb, backend = runner.extend_batch(
-                        model_config, prompts, tp)
-                    with torch.no_grad(), runner._forward_context(backend), fusion_mode(fusion):
-                        out = model.model(input_ids, fb.mrope_positions, fb,
+                    fb = runner.Requests(model, model_config, [len(p) for p in prompts],
+                                         tp).extend(prompts)
+                    with (torch.no_grad(), runner._forward_context(fb.attn_backend),
+                          fusion_mode(fusion)):
+                        out = model.model(fb.input_ids, fb.mrope_positions, fb,
                                           input_deepstack_embeds=flat)
                     final, aux = out if isinstance(out, tuple) else (out, None)
                     if aux is not None and not isinstance(aux, torch.Tensor):  # a list

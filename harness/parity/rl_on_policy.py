@@ -71,7 +71,7 @@ def run_case(checkpoint: str, prompts, tp: int, requests: Sequence[dict]) -> lis
         for request in requests:
             try:
                 runner.request_captures(model, **request)
-                res = runner.forward(model, model_config, prompts, tp)
+                res = runner.run_requests(model, model_config, prompts, tp)
                 res["layers_to_capture"] = runner._layers_to_capture(model)
                 results.append(res)
             except Exception:

@@ -64,7 +64,9 @@ def rl_refs(selected_cases, rank_pool, tmp_path_factory):
         model = reference.make_checkpoint(fam, root / name)
         prompts = reference.prompts(fam.config()["vocab_size"])
         out[name] = dict(checkpoint=str(root / name), prompts=prompts,
-                         ref=reference.reference(fam, model, prompts))
+                         ref=reference.reference(fam, model, prompts,
+                                                 reference.appended_tokens(
+                                                     fam.config()["vocab_size"])))
     return out
 
 
