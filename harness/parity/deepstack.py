@@ -1,33 +1,42 @@
 """Qwen3-VL deepstack against transformers: the language model with visual features.
 
 Qwen3-VL adds "deepstack" visual features to the stream of image tokens after each of
-its first few decoder layers. Text-only parity (:mod:`harness.parity.runner`) never
-exercises that path, so this module drives the language models directly, on both sides:
+its first few decoder layers, so a capture of index ``k <= 3`` is taken next to that
+addition, on one side of it or the other. Text-only parity (:mod:`harness.parity.runner`)
+never exercises that path, so this module drives the language models directly, on both
+sides:
 
 * transformers: ``model.model.language_model(inputs_embeds, visual_pos_masks,
-  deepstack_visual_embeds)`` with every token an image token; what each decoder layer
-  receives (a forward pre-hook: the stream entering layer ``i``, deepstack of layer
-  ``i - 1`` included), what the final norm receives (``pre_norm``) and the output;
+  deepstack_visual_embeds, output_hidden_states=True)`` with every token an image
+  token: ``hidden_states[k]`` is decoder layer ``k - 1``'s output *before* its deepstack
+  (transformers 5 adds it to a clone), the ``pre_deepstack`` value; the stream entering
+  decoder layer ``k`` (a forward pre-hook) is that plus ``deepstack[k - 1]``, the
+  ``post_deepstack`` value (what transformers 4.57 recorded in place); what the final
+  norm receives (``pre_norm``) and the output;
 * SGLang: the wrapper's language model (``model.model``) with ``input_deepstack_embeds``
-  (``[tokens, layers * hidden]``, what ``general_mm_embed_routine`` hands it), captures
-  requested through the model runner's setup function for every layer.
+  (``[tokens, layers * hidden]``, what ``general_mm_embed_routine`` hands it), every
+  layer captured through the model runner's setup function, once per
+  ``deepstack_capture`` setting (unset: the model's default), and on 0.5.23 on both of
+  its deepstack orders (the inference path, and the HF-order path that
+  ``--rl-on-policy-target`` selects through ``use_hf_deepstack_order``).
 
-Every capture of index ``i`` is checked against the stream entering layer ``i``, which
-is what 0.5.23 captures at its layer boundary in every Qwen3-VL model. (transformers'
-``output_hidden_states`` records each decoder layer's output *before* the model adds
-that layer's deepstack, so for image tokens its entries 1-3 are not the stream the next
-layer receives.) Stdlib-only at import time.
+Stdlib-only at import time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from harness.parity.families import Family
 
 # Layers whose output gets deepstack features (the vision tower's deepstack mergers).
 DEEPSTACK_LAYERS = 3
+# The deepstack_capture settings a case requests, in order on one loaded model (None:
+# unset, the model's own default, so it goes first).
+SETTINGS = (None, "pre_deepstack", "post_deepstack")
+# 0.5.23's two deepstack orders (Qwen3LLMModel.use_hf_deepstack_order False / True).
+ORDERS = ("inference", "hf")
 
 
 def family(fam: Family) -> Family:
@@ -52,7 +61,8 @@ def embeds(total_tokens: int, hidden: int, seed: int = 5):
 
 def reference(model, prompt_ids: Sequence[Sequence[int]], deepstack) -> dict[str, Any]:
     """transformers' language model on ``prompt_ids`` (one at a time), every token an
-    image token with ``deepstack`` features."""
+    image token with ``deepstack`` features: its ``hidden_states``, the stream entering
+    each decoder layer and the final norm, and the output."""
     import torch
 
     lm = model.model.language_model
@@ -67,6 +77,7 @@ def reference(model, prompt_ids: Sequence[Sequence[int]], deepstack) -> dict[str
     handles = [layer.register_forward_pre_hook(take(entering[i]), with_kwargs=True)
                for i, layer in enumerate(lm.layers)]
     handles.append(lm.norm.register_forward_pre_hook(take(pre_norm), with_kwargs=True))
+    hidden: list[list] = []
     finals, start = [], 0
     try:
         with torch.no_grad():
@@ -75,23 +86,50 @@ def reference(model, prompt_ids: Sequence[Sequence[int]], deepstack) -> dict[str
                 out = lm(inputs_embeds=lm.embed_tokens(torch.tensor([list(ids)])),
                          visual_pos_masks=torch.ones(1, n, dtype=torch.bool),
                          deepstack_visual_embeds=[d[start:start + n] for d in deepstack],
-                         use_cache=False)
+                         use_cache=False, output_hidden_states=True)
+                hidden.append([h[0] for h in out.hidden_states])
                 finals.append(out.last_hidden_state[0])
                 start += n
     finally:
         for h in handles:
             h.remove()
+    num_layers = len(lm.layers)
+    if num_layers <= DEEPSTACK_LAYERS:
+        raise ValueError(f"the deepstack checkpoint needs more than {DEEPSTACK_LAYERS} "
+                         f"layers (its last layer would take deepstack), got {num_layers}")
     return {
-        "entering": [torch.cat(entering[i]) for i in range(len(lm.layers))],
+        "hidden_states": [torch.cat([h[i] for h in hidden]) for i in range(num_layers + 1)],
+        "entering": [torch.cat(entering[i]) for i in range(num_layers)],
         "pre_norm": torch.cat(pre_norm),
         "final": torch.cat(finals),
-        "num_layers": len(lm.layers),
+        "num_layers": num_layers,
     }
 
 
-def run_case(checkpoint: str, prompts, tp: int, deepstack, fusions: Sequence[str]) -> list:
+def expected(ref: dict, deepstack, index: int, post: bool):
+    """What a capture of ``index`` holds, from transformers' own tensors: the stream
+    entering the final norm for the last layer; else ``hidden_states[index]``, plus
+    ``deepstack[index - 1]`` on the image rows (every row) where ``post``."""
+    if index == ref["num_layers"]:
+        return ref["pre_norm"]
+    want = ref["hidden_states"][index]
+    if post and 1 <= index <= DEEPSTACK_LAYERS:
+        want = want + deepstack[index - 1]
+    return want
+
+
+def _orders(model) -> list:
+    """The deepstack orders this base's language model has (the pin: one)."""
+    lm = model.model
+    return list(ORDERS) if hasattr(lm, "use_hf_deepstack_order") else [ORDERS[0]]
+
+
+def run_case(checkpoint: str, prompts, tp: int, deepstack, fusions: Sequence[str],
+             settings: Sequence[Optional[str]] = SETTINGS) -> list:
     """SGLang's language model with deepstack, every layer captured (EAGLE3 ids
-    ``0 .. L-1`` through the model runner's setup function); one result per fusion."""
+    ``0 .. L-1`` through the model runner's setup function) once per setting, in
+    every deepstack order the base has and every fusion mode: one result per
+    (setting, order, fusion), each naming its ``setting`` and ``order``."""
     import traceback
 
     import torch
@@ -104,26 +142,44 @@ def run_case(checkpoint: str, prompts, tp: int, deepstack, fusions: Sequence[str
         if tp > 1:
             install_cpu_norm(model)
         num_layers = model_config.hf_text_config.num_hidden_layers
-        runner.request_captures(model, eagle3=list(range(num_layers)))
-        ltc = runner._layers_to_capture(model)
+        orders = _orders(model)
     except Exception:
-        return [{"error": traceback.format_exc()} for _ in fusions]
+        err = traceback.format_exc()
+        return [{"error": err, "setting": s, "order": o, "fusion": f}
+                for s in settings for o in ORDERS for f in fusions]
     # [tokens, layers * hidden], as general_mm_embed_routine hands it to the language model.
     flat = torch.cat(list(deepstack), dim=-1)
     results = []
-    for fusion in fusions:
+    for setting in settings:
         try:
-            input_ids, positions, fb, backend = runner.extend_batch(model_config, prompts, tp)
-            with torch.no_grad(), runner._forward_context(backend), fusion_mode(fusion):
-                out = model.model(input_ids, fb.mrope_positions, fb,
-                                  input_deepstack_embeds=flat)
-            final, aux = out if isinstance(out, tuple) else (out, None)
-            if aux is not None and not isinstance(aux, torch.Tensor):  # 0.5.23's list
-                aux = torch.cat(list(aux), dim=-1)
-            results.append({"final": final.detach().clone(), "layers_to_capture": ltc,
-                            "aux": None if aux is None else aux.detach().clone()})
+            runner.request_captures(model, eagle3=list(range(num_layers)),
+                                    deepstack_capture=setting)
+            ltc = runner._layers_to_capture(model)
+            request_error = None
         except Exception:
-            results.append({"error": traceback.format_exc()})
+            request_error = traceback.format_exc()
+        for order in orders:
+            if len(orders) > 1:
+                model.model.use_hf_deepstack_order = order == "hf"
+            for fusion in fusions:
+                key = {"setting": setting, "order": order, "fusion": fusion}
+                if request_error is not None:
+                    results.append({"error": request_error, **key})
+                    continue
+                try:
+                    fb = runner.Requests(model, model_config, [len(p) for p in prompts],
+                                         tp).extend(prompts)
+                    with (torch.no_grad(), runner._forward_context(fb.attn_backend),
+                          fusion_mode(fusion)):
+                        out = model.model(fb.input_ids, fb.mrope_positions, fb,
+                                          input_deepstack_embeds=flat)
+                    final, aux = out if isinstance(out, tuple) else (out, None)
+                    if aux is not None and not isinstance(aux, torch.Tensor):  # a list
+                        aux = torch.cat(list(aux), dim=-1)
+                    results.append({"final": final.detach().clone(), "layers_to_capture": ltc,
+                                    "aux": None if aux is None else aux.detach().clone(), **key})
+                except Exception:
+                    results.append({"error": traceback.format_exc(), **key})
     return results
 
 

@@ -16,7 +16,7 @@ layers. The model runner builds, for a ``hybrid_gdn_config`` model:
 
 :func:`gdn_backend` builds the same three with SGLang's own classes and its own
 wrapper (a family's ``attention="harness.parity.hybrid:gdn_backend"``, see
-``harness.parity.runner.extend_batch``), the full-attention part being the
+``harness.parity.runner.Requests``), the full-attention part being the
 ``torch_native`` backend of the other families. As the scheduler does for a new
 request, each request of the batch gets a fresh mamba slot, zeroed (the deferred
 ``mamba_clear_indices`` of a real batch). The GDN backend's CPU path, and 0.5.23's
@@ -104,8 +104,9 @@ def _server_args():
     return get_global_server_args()
 
 
-def _runner(model_config, req_to_token, kv):
-    """What ``attn_backend_wrapper`` and the GDN backend read of the model runner. At
+def runner_view(model_config, req_to_token, kv):
+    """What ``attn_backend_wrapper``, the GDN backend and the triton backend read of the
+    model runner. At
     the pin the hybrid-config lookups are ``ModelRunner`` properties: they run here as
     SGLang wrote them, on this object; 0.5.23 has them as functions of the model
     config (``configs/hybrid_arch.py``)."""
@@ -186,6 +187,18 @@ def _sm_count_on_the_cpu() -> None:
         module._get_sm_count = sm_count
 
 
+def spec_draft_tokens():
+    """The ``speculative_num_draft_tokens`` a hybrid model's ``MambaPool`` is built with:
+    an EAGLE target's (``runner.VERIFY_TOKENS``; its verify forward keeps each draft
+    token's intermediate states there), on 0.5.23. The pin's ``MambaPool`` allocates
+    those states on ``"cuda"`` whatever its device (pin ``mem_cache/memory_pool.py``
+    331, 345), so on the CPU it is built without them (None) and its verify forward
+    stops where the linear-attention backend asserts them."""
+    from harness.parity.runner import VERIFY_TOKENS
+
+    return VERIFY_TOKENS if _on_0_5_23() else None
+
+
 def _gdn_config(model_config):
     if _on_0_5_23():
         from sglang.srt.configs.hybrid_arch import hybrid_gdn_config
@@ -193,13 +206,15 @@ def _gdn_config(model_config):
         return hybrid_gdn_config(model_config)
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    return ModelRunner.hybrid_gdn_config.fget(_runner(model_config, None, None))
+    return ModelRunner.hybrid_gdn_config.fget(runner_view(model_config, None, None))
 
 
-def gdn_backend(model_config, tp: int, prompt_lengths: Sequence[int]):
+def gdn_backend(model_config, tp: int, request_lengths: Sequence[int]):
     """``(req_to_token_pool, kv_pool, backend)`` for a hybrid GDN model, built as the
-    model runner builds them (module docstring); requests take rows ``1..`` of the
-    req-to-token pool, each with a zeroed mamba slot of its own."""
+    model runner builds them for an EAGLE target (module docstring; the mamba pool keeps
+    the verify chain's intermediate states where it can, :func:`spec_draft_tokens`); requests
+    take rows ``1..`` of the req-to-token pool, each with a zeroed mamba slot of its
+    own."""
     import torch
     from sglang.srt.layers.attention.attention_registry import attn_backend_wrapper
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
@@ -209,14 +224,14 @@ def gdn_backend(model_config, tp: int, prompt_lengths: Sequence[int]):
     cfg = _gdn_config(model_config)
     if cfg is None:
         raise ValueError(f"{type(model_config.hf_config).__name__} is not a hybrid GDN config")
-    bs, total = len(prompt_lengths), sum(prompt_lengths)
+    bs, total = len(request_lengths), sum(request_lengths)
     cache_params = cfg.mamba2_cache_params
     req_to_token = _build(
         HybridReqToTokenPool,
         size=bs, mamba_size=bs, mamba_spec_state_size=bs,
-        max_context_len=max(prompt_lengths) + 8, device="cpu", enable_memory_saver=False,
+        max_context_len=max(request_lengths) + 8, device="cpu", enable_memory_saver=False,
         cache_params=cache_params, mamba_layer_ids=list(cache_params.layers),
-        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=None,
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=spec_draft_tokens(),
         enable_overlap_schedule=True, start_layer=0,
     )
     kv = _build(
@@ -228,7 +243,7 @@ def gdn_backend(model_config, tp: int, prompt_lengths: Sequence[int]):
         enable_memory_saver=False, enable_kv_cache_copy=False, use_mla=False, start_layer=0,
     )
     full = attention_backend("torch_native", model_config, req_to_token, kv)
-    backend = attn_backend_wrapper(_runner(model_config, req_to_token, kv), full)
+    backend = attn_backend_wrapper(runner_view(model_config, req_to_token, kv), full)
     # The scheduler's part for new requests: a mamba slot each, zeroed before use.
     slots = req_to_token.mamba_allocator.alloc(bs)
     if slots is None:

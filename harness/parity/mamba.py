@@ -12,7 +12,7 @@ does (``model_runner_kv_cache_mixin``: ``HybridReqToTokenPool`` /
 ``attention_registry.attn_backend_wrapper``: ``Mamba2AttnBackend`` wrapped with the
 full-attention backend and ``full_attention_layer_ids``), from SGLang's own classes,
 on both bases. It is the ``attention`` hook of the family
-(:func:`harness.parity.runner.extend_batch`); :func:`setup` is its ``setup`` hook.
+(:class:`harness.parity.runner.Requests`); :func:`setup` is its ``setup`` hook.
 
 Stdlib-only at import time.
 """
@@ -72,10 +72,12 @@ def _server_args():
     return get_context().server_args
 
 
-def backend(model_config, tp: int, prompt_lengths: Sequence[int]):
-    """``(req_to_token_pool, kv_pool, backend)`` for an extend batch of
-    ``prompt_lengths`` (requests in rows ``1..``, as the model runner's pools
-    number them), the hybrid model's mamba states allocated for those rows."""
+def backend(model_config, tp: int, request_lengths: Sequence[int]):
+    """``(req_to_token_pool, kv_pool, backend)`` for requests of ``request_lengths``
+    tokens (in rows ``1..``, as the model runner's pools number them), the hybrid
+    model's mamba states allocated for those rows, as the model runner builds them for
+    an EAGLE target (the verify chain's intermediate states where the base can hold them
+    on the CPU: :func:`harness.parity.hybrid.spec_draft_tokens`)."""
     import torch
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import (
         HybridLinearAttnBackend,
@@ -84,15 +86,17 @@ def backend(model_config, tp: int, prompt_lengths: Sequence[int]):
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
+    from harness.parity.hybrid import spec_draft_tokens
+
     config = model_config.hf_config
     cache_params = config.mamba2_cache_params  # sharded by the attention-TP size
-    bs, total = len(prompt_lengths), sum(prompt_lengths)
+    bs, total = len(request_lengths), sum(request_lengths)
     req_to_token = HybridReqToTokenPool(**_kwargs_for(
         HybridReqToTokenPool.__init__,
         size=bs, mamba_size=bs, mamba_spec_state_size=bs,
-        max_context_len=max(prompt_lengths) + 8, device="cpu", enable_memory_saver=False,
+        max_context_len=max(request_lengths) + 8, device="cpu", enable_memory_saver=False,
         cache_params=cache_params, mamba_layer_ids=list(cache_params.layers),
-        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=None,
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=spec_draft_tokens(),
         enable_overlap_schedule=False, start_layer=0,
     ))
     # What HybridReqToTokenPool.alloc does for new requests: a mamba slot per request

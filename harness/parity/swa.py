@@ -5,17 +5,18 @@ GPT-OSS, Llama 4, ...) an ``SWAKVPool``: one MHA pool for the full-attention lay
 one for the sliding-window layers, which for Gemma 4 (``is_hybrid_swa_compress``) have
 their own head count and head dim (``swa_num_key_value_heads``, ``swa_head_dim``: the
 sliding layers' ``head_dim``, the full layers' ``global_head_dim``). One MHA pool of
-one head dim, what :func:`harness.parity.runner.extend_batch` builds by default, cannot
+one head dim, what :class:`harness.parity.runner.Requests` builds by default, cannot
 hold both. :func:`pools` builds the pool the model runner builds
 (``model_runner_kv_cache_mixin`` at the pin, ``kv_cache_configurator.
 _build_hybrid_swa_kv_pool`` on 0.5.23), SGLang's SWA allocator over it (which registers
 the full -> SWA slot mapping, as in the engine) and SGLang's ``torch_native`` backend.
 
-The batch is a fresh pool's first, so the allocator maps full slot ``i`` to SWA slot
-``i``. That identity matters: ``TorchNativeAttnBackend.forward_extend`` writes a sliding
-layer's K/V at the translated SWA slots but reads them back through the untranslated
-``req_to_token`` rows (``k_cache[per_req_tokens]``, both bases), which is right only
-while the mapping is the identity.
+The requests are a fresh pool's first, and every slot their forwards take is allocated
+at once, so the allocator maps full slot ``i`` to SWA slot ``i``. That identity
+matters: ``TorchNativeAttnBackend.forward_extend`` writes a sliding layer's K/V at the
+translated SWA slots but reads them back through the untranslated ``req_to_token`` rows
+(``k_cache[per_req_tokens]``, both bases), which is right only while the mapping is the
+identity.
 
 A family uses it with ``attention="harness.parity.swa:pools"``. Stdlib-only at import
 time.
@@ -29,8 +30,9 @@ from typing import Sequence
 
 
 def pools(model_config, tp: int, lens: Sequence[int]):
-    """``(req_to_token_pool, SWAKVPool, TorchNativeAttnBackend)`` for ``model_config``
-    (the signature :func:`harness.parity.runner.extend_batch` calls)."""
+    """``(req_to_token_pool, SWAKVPool, TorchNativeAttnBackend)`` for ``model_config`` and
+    requests of ``lens`` tokens each (the signature :class:`harness.parity.runner.Requests`
+    calls)."""
     import torch
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -66,7 +68,7 @@ def pools(model_config, tp: int, lens: Sequence[int]):
         **kwargs,
     )
     # SGLang's own SWA allocator registers the full -> SWA slot mapping; a fresh one
-    # hands this first batch the slots extend_batch writes (1..total in both pools).
+    # hands the requests the slots Requests writes (1..total in both pools).
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
     allocator = SWATokenToKVPoolAllocator(size=size, size_swa=size, page_size=1,

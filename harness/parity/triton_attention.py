@@ -1,12 +1,8 @@
-"""SGLang's triton attention backend over pools sized the way the model runner sizes
-them, for the parity families whose attention needs more than
-:func:`harness.parity.runner.attention_backend` gives (a family's
-``attention="harness.parity.triton_attention:triton"``).
+"""SGLang's triton attention backend as the model runner builds it, and the KV layer
+count of its pools (:func:`harness.parity.runner.attention_backend` and ``_kv_pool``:
+the families with ``attention="triton"``, and every family's verify batch).
 
-The runner's builder creates its pools with ``ModelConfig.num_hidden_layers`` KV layers
-and its backends from a model-runner namespace with ``sliding_window_size=None``, which
-is right for the families without windows and with one attention per decoder layer.
-The model runner itself:
+The model runner:
 
 * sizes the KV pools by ``end_layer - start_layer`` of the model, where a model without
   them (no PP) gets ``max(num_hidden_layers, num_attention_layers)`` (pin
@@ -20,12 +16,12 @@ The model runner itself:
   (``TritonAttnBackend.__init__``: ``window_kv_indptr``) before masking the layers whose
   ``RadixAttention.sliding_window_size`` is set.
 
-:func:`triton` does both, over SGLang's real ``ReqToTokenPool`` and ``MHATokenToKVPool`` /
-``MLATokenToKVPool`` (the non-hybrid pools the engine uses with
-``--disable-hybrid-swa-memory``) and the triton backend, its kernels interpreted on the
-CPU (``TRITON_INTERPRET=1``, :data:`harness.parity.runner.ENV`). The triton backend also
+:func:`num_kv_layers` and :func:`backend` do both, over SGLang's real ``ReqToTokenPool``
+and ``MHATokenToKVPool`` / ``MLATokenToKVPool`` (the non-hybrid pools the engine uses
+with ``--disable-hybrid-swa-memory``) or a family's own pools, its kernels interpreted on
+the CPU (``TRITON_INTERPRET=1``, :data:`harness.parity.runner.ENV`). The triton backend
 takes the attention sinks gpt_oss passes (``torch_native``'s ``forward_extend`` has no
-``sinks`` argument) and runs MLA's no-prefix prefill.
+``sinks`` argument), runs MLA's no-prefix prefill, and verifies a draft chain.
 
 Stdlib-only at import time.
 """
@@ -33,18 +29,13 @@ Stdlib-only at import time.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Optional, Sequence
+from typing import Optional
 
 
-def sliding_window_size(model_config) -> Optional[int]:
-    """What the model runner sets ``sliding_window_size`` to for this model."""
-    from sglang.srt.model_loader.utils import get_model_architecture
-
-    model_cls, _ = get_model_architecture(model_config)
-    if hasattr(model_cls, "get_attention_sliding_window_size"):
-        # The models' method reads only ``self.config`` (gpt_oss, gemma, ...).
-        return model_cls.get_attention_sliding_window_size(
-            SimpleNamespace(config=model_config.hf_config))
+def sliding_window_size(model, model_config) -> Optional[int]:
+    """What the model runner sets ``sliding_window_size`` to for the loaded ``model``."""
+    if hasattr(model, "get_attention_sliding_window_size"):
+        return model.get_attention_sliding_window_size()
     if getattr(model_config, "is_hybrid_swa", False) and model_config.sliding_window_size:
         return model_config.sliding_window_size
     return getattr(model_config, "attention_chunk_size", None)
@@ -57,66 +48,42 @@ def num_kv_layers(model_config) -> int:
                getattr(model_config, "num_attention_layers", 0) or 0)
 
 
-def _server_args():
+def kv_index_translator(req_to_token, kv):
+    """0.5.23's model runner's one converter of KV ids over its pools, which it hands to
+    its backends and binds every batch's plan to (``ForwardBatch.init_new``); None at
+    the pin, which has none."""
     import importlib.util
 
-    if importlib.util.find_spec("sglang.srt.runtime_context") is None:  # the pin
-        from sglang.srt.server_args import get_global_server_args
+    if importlib.util.find_spec("sglang.srt.mem_cache.kv_index_translator") is None:
+        return None
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 
-        return get_global_server_args()
-    return None  # 0.5.23 reads its runtime context instead
-
-
-def kv_pool(model_config, tp: int, size: int):
-    """``MLATokenToKVPool`` or ``MHATokenToKVPool`` with :func:`num_kv_layers` layers."""
-    import torch
-    from sglang.srt.configs.model_config import AttentionArch
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-
-    layers = num_kv_layers(model_config)
-    if model_config.attention_arch == AttentionArch.MLA:
-        return MLATokenToKVPool(
-            size=size, page_size=1, dtype=torch.float32,
-            kv_lora_rank=model_config.kv_lora_rank,
-            qk_rope_head_dim=model_config.qk_rope_head_dim,
-            layer_num=layers, device="cpu", enable_memory_saver=False,
-        )
-    return MHATokenToKVPool(
-        size=size, page_size=1, dtype=torch.float32,
-        head_num=model_config.get_num_kv_heads(tp), head_dim=model_config.head_dim,
-        v_head_dim=getattr(model_config, "v_head_dim", None),
-        layer_num=layers, device="cpu", enable_memory_saver=False,
-    )
+    return KVIndexTranslator(req_to_token=req_to_token.req_to_token,
+                             token_to_kv_pool_allocator=None, token_to_kv_pool=kv,
+                             page_size=1, device="cpu", is_draft_worker=False)
 
 
-def triton(model_config, tp: int, prompt_lengths: Sequence[int]):
-    """``(req_to_token_pool, kv_pool, backend)`` for an extend batch of ``prompt_lengths``
-    (rows and slots ``1..`` are the requests'; ``runner.extend_batch`` fills them)."""
-    import importlib.util
-
-    import torch
+def backend(model_config, req_to_token, kv, server_args, window: Optional[int], translator):
+    """SGLang's ``TritonAttnBackend`` over these pools, from a model-runner namespace with
+    the model's sliding window ``window`` (:func:`sliding_window_size`) and the pools'
+    ``translator`` (:func:`kv_index_translator`); ``server_args``: what the pin's
+    backend reads there (None on 0.5.23, which reads its runtime context)."""
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    lens = list(prompt_lengths)
-    req_to_token = ReqToTokenPool(size=len(lens), max_context_len=max(lens) + 8, device="cpu",
-                                  enable_memory_saver=False)
-    kv = kv_pool(model_config, tp, size=sum(lens) + 8)
-    translator = None
-    if importlib.util.find_spec("sglang.srt.mem_cache.kv_index_translator") is not None:
-        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    # The model runner's hybrid-model properties the pin's backend reads (hybrid linear
+    # pools: their layer 0 may hold no KV); 0.5.23 derives them from the model config.
+    hybrid = dict(hybrid_gdn_config=None, kimi_linear_config=None, linear_attn_model_spec=None)
+    if server_args is not None:
+        from harness.parity.hybrid import runner_view
 
-        # 0.5.23's model runner hands backends this one converter of KV ids.
-        translator = KVIndexTranslator(req_to_token=req_to_token.req_to_token,
-                                       token_to_kv_pool_allocator=None, token_to_kv_pool=kv,
-                                       page_size=1, device="cpu", is_draft_worker=False)
+        view = runner_view(model_config, req_to_token, kv)
+        hybrid = {name: getattr(view, name) for name in hybrid}
     runner = SimpleNamespace(
-        device="cpu", gpu_id=0, model_config=model_config, server_args=_server_args(),
+        device="cpu", gpu_id=0, model_config=model_config, server_args=server_args,
         req_to_token_pool=req_to_token, token_to_kv_pool=kv, token_to_kv_pool_allocator=None,
-        sliding_window_size=sliding_window_size(model_config), hybrid_gdn_config=None,
-        kimi_linear_config=None, linear_attn_model_spec=None, is_draft_worker=False,
-        kv_cache_dtype=torch.float32, kv_index_translator=translator,
+        sliding_window_size=window, **hybrid, is_draft_worker=False,
+        kv_cache_dtype=model_config.dtype, kv_index_translator=translator,
         decode_num_tokens_per_req=lambda: 1, spec_algorithm=SpeculativeAlgorithm.NONE,
     )
-    return req_to_token, kv, TritonAttnBackend(runner)
+    return TritonAttnBackend(runner)

@@ -263,7 +263,9 @@ def init_sglang_distributed(
         backend=backend,
         timeout=timeout,
     )
-    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    # ``server_args_overrides={"ep_size": N}`` splits the MoE groups as the engine does.
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size,
+                                 expert_model_parallel_size=server_args.ep_size)
     model_config = SimpleNamespace(hidden_size=hidden_size, dtype=dtype or torch.float32)
     initialize_dp_attention(server_args, model_config)
 

@@ -343,10 +343,12 @@ def _tensors(out) -> List[Any]:
 
 
 def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_tokens: int = 6,
-                           fullgraph: bool = True, final_layer_capture: str = "pre_norm"):
+                           fullgraph: bool = True, final_layer_capture: str = "pre_norm",
+                           **inputs):
     """(eager outputs, compiled outputs, graph-break reasons) of the model's real forward
     with these captures (the last layer's taken ``final_layer_capture``, as
-    :func:`capture_case` sets it).
+    :func:`capture_case` sets it) and the forward's extra ``inputs`` (e.g.
+    ``input_deepstack_embeds``).
 
     The compile is ``torch.compile(fullgraph=True, backend="eager")``, as SGLang's
     piecewise CUDA graph compiles the model forward (with its own backend) on CUDA; a
@@ -383,12 +385,13 @@ def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_toke
     spec.configure(model, layers_to_capture)
     try:
         with serving_final_layer_capture(final_layer_capture), torch.no_grad():
-            eager = [t.clone() for t in _tensors(spec.run(model, ids, positions, make_forward_batch(ids)))]
+            eager = [t.clone() for t in _tensors(spec.run(model, ids, positions, make_forward_batch(ids),
+                                                          **inputs))]
             with torch._dynamo.config.patch(disable=False):
                 torch._dynamo.reset()
                 counters.clear()
                 compiled_model = Compiled(torch.compile(model.forward, fullgraph=fullgraph, backend="eager"))
-                out = spec.run(compiled_model, ids, positions, make_forward_batch(ids))
+                out = spec.run(compiled_model, ids, positions, make_forward_batch(ids), **inputs)
                 compiled = [t.clone() for t in _tensors(out)]
                 breaks = sorted(str(reason) for reason in counters["graph_break"])
                 torch._dynamo.reset()

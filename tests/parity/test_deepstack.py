@@ -1,15 +1,22 @@
 """Qwen3-VL deepstack against transformers, at TP 1 and 2 (FlashInfer fusion emulated
-where the layers defer).
+where the layers defer), for each ``deepstack_capture`` setting and, on 0.5.23, each of
+its deepstack orders.
 
 Every token is an image token with deepstack features for layers 0-2
 (:mod:`harness.parity.deepstack`). SGLang's language models (dense ``Qwen3LLMModel``,
 MoE ``Qwen3MoeLLMModel``), loaded from a tiny transformers checkpoint through SGLang's
 own loader with every layer captured through the model runner's setup function, must
-match transformers' language model:
+match transformers' language model fed ``visual_pos_masks`` and
+``deepstack_visual_embeds``:
 
-* every capture of index ``i < L`` equals the stream entering transformers' layer ``i``
-  (deepstack of layer ``i - 1`` included), the one of index ``L`` the stream entering
-  the final norm; dense and MoE capture the same thing;
+* a capture of index ``k <= 3`` holds transformers' ``hidden_states[k]`` (decoder layer
+  ``k - 1``'s output, before its deepstack) under ``pre_deepstack``, and that plus
+  ``deepstack[k - 1]`` on the image rows (the stream entering layer ``k``) under
+  ``post_deepstack``; the other captures hold ``hidden_states[k]``, and the last one the
+  stream entering the final norm, in every setting;
+* unset, each base keeps its own release's value: ``pre_deepstack`` on the pin (what
+  its Qwen3-VL loops captured), ``post_deepstack`` on 0.5.23 (its inference path's),
+  on both of 0.5.23's deepstack orders;
 * the final hidden states equal transformers' output (deepstack neither lost nor added
   once per rank when a layer defers its all-reduce).
 """
@@ -26,29 +33,52 @@ pytestmark = [pytest.mark.bases("0.5.13.post1", "0.5.23"), pytest.mark.parity]
 
 FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 TPS = (1, 2)
+# Per base: the value of an unset deepstack_capture, and the patch that adds the setting.
+DEFAULT_POST = {"0.5.13.post1": False, "0.5.23": True}
+SETTING_PATCH = {"0.5.13.post1": "deepstack-capture-setting",
+                 "0.5.23": "qwen3-vl-deepstack-capture"}
 
 
 def _family(name):
     return deepstack.family(families()[name])
 
 
-def _active(fam) -> bool:
+def _label() -> str:
     from harness.patchset.layout import layout
 
-    return layout().label in fam.bases
+    return layout().label
 
 
-def _guards(name: str, tp: int, fusion: str) -> list:
-    """Bug "V" of the survey: dense qwen3_vl captured before deepstack at every TP;
-    qwen3_vl_moe lost it where a layer deferred its all-reduce (TP > 1, fused)."""
+def _active(fam) -> bool:
+    return _label() in fam.bases
+
+
+def _guards(name: str, tp: int, fusion: str, order: str, setting) -> list:
+    """The patches whose bugs a case exercises.
+
+    * Bug "V" of the survey (the pin's deepstack-capture): qwen3_vl_moe lost the
+      deepstack where a layer deferred its all-reduce (TP > 1, fused), and since
+      models-capture-after-allreduce its captures held it at every TP; the case of an
+      unset setting shows it.
+    * The setting's own patch: an explicit setting (no such setting without it), and on
+      0.5.23 the unset one on the HF-order path (pristine captures its other side).
+    """
     from harness.standins.models import specs
 
+    label = _label()
+    out = []
     spec = specs().get(name)
-    if spec is None or "V" not in spec.bugs() or spec.patch_for("V") is None:
-        return []
-    if name == "qwen3_vl_moe" and not (tp > 1 and fusion != "off"):
-        return []
-    return [pytest.mark.guards(spec.patch_for("V"))]
+    if (setting is None and label == "0.5.13.post1" and spec is not None
+            and "V" in spec.bugs() and spec.patch_for("V") is not None
+            and name == "qwen3_vl_moe"):
+        out.append(spec.patch_for("V"))
+    if setting is not None or (label == "0.5.23" and order == "hf"):
+        out.append(SETTING_PATCH[label])
+    return [pytest.mark.guards(p) for p in out]
+
+
+def _orders() -> tuple:
+    return deepstack.ORDERS if _label() == "0.5.23" else deepstack.ORDERS[:1]
 
 
 def _params():
@@ -58,8 +88,13 @@ def _params():
             continue
         for tp in TPS:
             for fusion in fam.fusions(tp):
-                marks = [pytest.mark.multirank, pytest.mark.world_size(tp)] + _guards(name, tp, fusion)
-                yield pytest.param(name, tp, fusion, id=f"{name}-tp{tp}-{fusion}", marks=marks)
+                for order in _orders():
+                    for setting in deepstack.SETTINGS:
+                        marks = [pytest.mark.multirank, pytest.mark.world_size(tp),
+                                 *_guards(name, tp, fusion, order, setting)]
+                        case_id = f"{name}-tp{tp}-{fusion}-{order}-{setting or 'unset'}"
+                        yield pytest.param(name, tp, fusion, order, setting, id=case_id,
+                                           marks=marks)
 
 
 _RUNS: dict = {}
@@ -90,23 +125,28 @@ def deepstack_refs(selected_cases, rank_pool, tmp_path_factory):
     return out
 
 
-def _results(rank_pool, refs, name, tp, fusion):
+def _results(rank_pool, refs, name, tp, fusion, order, setting):
     if name not in refs:
         pytest.skip(f"{name}: not on this base")
     if tp not in _RUNS:
-        keys, cases = [], []
+        names, cases = [], []
         for n, r in sorted(refs.items()):
-            fusions = list(families()[n].fusions(tp))
-            keys.append((n, fusions))
+            names.append(n)
             cases.append(dict(checkpoint=r["checkpoint"], prompts=r["prompts"],
-                              deepstack=r["deepstack"], fusions=fusions))
+                              deepstack=r["deepstack"],
+                              fusions=list(families()[n].fusions(tp))))
         per_rank = _pool(rank_pool, tp).run("harness.parity.deepstack:run", cases)
-        _RUNS[tp] = {(n, f): [rr[i][j] for rr in per_rank]
-                     for i, (n, fusions) in enumerate(keys) for j, f in enumerate(fusions)}
-    per_rank = _RUNS[tp][(name, fusion)]
+        _RUNS[tp] = {}
+        for r, rank_results in enumerate(per_rank):
+            for n, results in zip(names, rank_results):
+                for res in results:
+                    key = (n, res["fusion"], res["order"], res["setting"])
+                    _RUNS[tp].setdefault(key, []).append(res)
+    per_rank = _RUNS[tp][(name, fusion, order, setting)]
     for r, res in enumerate(per_rank):
         if "error" in res:
-            pytest.fail(f"{name} tp{tp} {fusion}: rank {r} raised:\n{res['error']}")
+            pytest.fail(f"{name} tp{tp} {fusion} {order} deepstack_capture={setting}: "
+                        f"rank {r} raised:\n{res['error']}")
     return per_rank
 
 
@@ -118,13 +158,17 @@ def _close(got, want, what, rank, atol):
         f"(|ref| max {scale:.3g}, shape {tuple(got.shape)} vs {tuple(want.shape)})")
 
 
-@pytest.mark.parametrize("name, tp, fusion", list(_params()))
-def test_deepstack_captures_and_output(rank_pool, deepstack_refs, name, tp, fusion):
+@pytest.mark.parametrize("name, tp, fusion, order, setting", list(_params()))
+def test_deepstack_captures_and_output(rank_pool, deepstack_refs, name, tp, fusion, order,
+                                       setting):
     fam = families()[name]
-    ref = deepstack_refs[name]["ref"] if name in deepstack_refs else None
-    per_rank = _results(rank_pool, deepstack_refs, name, tp, fusion)
+    per_rank = _results(rank_pool, deepstack_refs, name, tp, fusion, order, setting)
+    ref = deepstack_refs[name]["ref"]
+    feats = deepstack_refs[name]["deepstack"]
     L = ref["num_layers"]
     hidden = ref["final"].shape[-1]
+    post = DEFAULT_POST[_label()] if setting is None else setting == "post_deepstack"
+    side = "post_deepstack" if post else "pre_deepstack"
     for r, res in enumerate(per_rank):
         ltc = res["layers_to_capture"]
         assert ltc == list(range(1, L + 1)), f"rank {r}: captures requested {ltc}"
@@ -132,7 +176,27 @@ def test_deepstack_captures_and_output(rank_pool, deepstack_refs, name, tp, fusi
         assert aux is not None and aux.shape[-1] == L * hidden, (
             f"rank {r}: captured {0 if aux is None else aux.shape[-1] // hidden} of {L}")
         for k, index in enumerate(ltc):
-            want = ref["entering"][index] if index < L else ref["pre_norm"]
-            _close(aux[:, k * hidden:(k + 1) * hidden], want,
-                   f"capture {k} (the stream entering layer {index})", r, fam.atol)
+            what = (f"capture {k} (index {index}, {side}: "
+                    + ("the stream entering the final norm)" if index == L else
+                       f"transformers' hidden_states[{index}]"
+                       + (f" + deepstack[{index - 1}])"
+                          if post and index <= deepstack.DEEPSTACK_LAYERS else ")")))
+            _close(aux[:, k * hidden:(k + 1) * hidden],
+                   deepstack.expected(ref, feats, index, post), what, r, fam.atol)
         _close(res["final"], ref["final"], "final hidden states", r, fam.atol)
+
+
+def test_reference_sides_differ(deepstack_refs):
+    """The two settings' references are transformers' own tensors and far apart: the
+    stream entering layer k (a pre-hook) is hidden_states[k] + deepstack[k - 1]."""
+    import torch
+
+    if not deepstack_refs:
+        pytest.skip("no deepstack family selected on this base")
+    for name, entry in deepstack_refs.items():
+        ref, feats = entry["ref"], entry["deepstack"]
+        for k in range(1, deepstack.DEEPSTACK_LAYERS + 1):
+            pre = deepstack.expected(ref, feats, k, post=False)
+            post = deepstack.expected(ref, feats, k, post=True)
+            torch.testing.assert_close(post, ref["entering"][k], rtol=1e-5, atol=1e-5)
+            assert float((post - pre).abs().max()) > 0.1, (name, k)

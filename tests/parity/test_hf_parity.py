@@ -21,6 +21,22 @@ fusion emulation runs too. Checked against transformers:
   the draft config's ``final_layer_capture: post_norm`` (set ``post_norm``: the EAGLE3
   ids), transformers' ``hidden_states[L]``, the final norm's output.
 
+After the extend, the same loaded model runs later forwards over the requests' cache
+(``harness.parity.runner.MODES``): a decode batch (one token per request), an EAGLE
+verify batch (a chain of ``VERIFY_TOKENS`` per request, topk 1, through the triton
+backend as SGLang's CPU engine verifies) and an idle batch (no tokens). Checked against
+transformers on each request's whole token sequence, at the rows each forward holds:
+
+* ``test_mode``, for every capture set and forward: the final hidden states and the
+  next-token logits, and the whole packed capture output, K of K, each slot against
+  ``hidden_states[i]`` or the last layer's value as above (an idle batch: empty, of the
+  right widths: ``[0, H]``, ``[0, vocab]``, ``[0, K * H]``). The set without captures
+  runs no later forward: each set's final hidden states are checked there.
+
+Where SGLang cannot run a forward on the CPU (``Family.cannot_run``) or disagrees with
+transformers outside the captures (``Family.known_failures``), the case is a strict
+expected failure naming SGLang's file:line.
+
 Guards follow the survey's bugs (``harness.standins.models``): a case guards the patch
 that fixes the bug it exercises on the active base, so `make ablation` shows it
 failing without that patch.
@@ -33,7 +49,7 @@ import torch
 
 from harness.parity import reference
 from harness.parity.families import BOTH_BASES, families
-from harness.parity.runner import ENV, INIT_FN, PRELOAD
+from harness.parity.runner import ENV, INIT_FN, MODES, PRELOAD
 
 pytestmark = [pytest.mark.bases(*BOTH_BASES), pytest.mark.parity]
 
@@ -133,33 +149,58 @@ def case_bugs(fam, kind: str, tp: int, set_name: str, fusion: str) -> list[str]:
     return [b for b in wanted if b in bugs]
 
 
+def _marks(fam, kinds, tp: int, set_name: str, fusion: str, mode: str = "") -> list:
+    """A case's marks: a strict xfail with its reason where one is known
+    (:func:`_known_failure`), else the guards of the survey bugs its checks exercise
+    (``kinds``: those of :func:`case_bugs`)."""
+    marks = [pytest.mark.multirank, pytest.mark.world_size(tp)]
+    known = _known_failure(fam, tp, mode)
+    if known:
+        return marks + [pytest.mark.xfail(strict=True, reason=known)]
+    bugs = {b for kind in kinds for b in case_bugs(fam, kind, tp, set_name, fusion)}
+    patches = {p for p in (_patch_for(fam, b) for b in bugs) if p}
+    if "last" in kinds and set_name == "post_norm":
+        patches.add(FINAL_LAYER_CAPTURE)
+    return marks + [pytest.mark.guards(p) for p in sorted(patches)]
+
+
 def _params(kind: str):
     for case_id, name, tp, set_name, fusion in CASES:
-        fam = families()[name]
         if (kind == "final") != (set_name == "none"):
             continue
-        marks = [pytest.mark.multirank, pytest.mark.world_size(tp)]
-        known = _known_failure(fam, tp)
-        if known:
-            marks.append(pytest.mark.xfail(strict=True, reason=known))
-        else:
-            patches = {p for p in (_patch_for(fam, b)
-                                   for b in case_bugs(fam, kind, tp, set_name, fusion)) if p}
-            if kind == "last" and set_name == "post_norm":
-                patches.add(FINAL_LAYER_CAPTURE)
-            patches = sorted(patches)
-            marks += [pytest.mark.guards(p) for p in patches]
+        marks = _marks(families()[name], (kind,), tp, set_name, fusion)
         yield pytest.param(name, tp, set_name, fusion, id=case_id, marks=marks)
 
 
-def _known_failure(fam, tp: int) -> str:
-    """The reason when SGLang at the active base is known to disagree with transformers
-    on this family at this TP for a bug outside the captures (``Family.known_failures``:
-    ``"<base>:tp<N>"``, else ``"<base>"``)."""
+def _mode_params():
+    """The later forwards' cases: every capture set, each forward of MODES (its check
+    covers the final hidden states, the in-loop and the last-layer captures)."""
+    for case_id, name, tp, set_name, fusion in CASES:
+        if set_name == "none":
+            continue
+        for mode in MODES:
+            marks = _marks(families()[name], ("final", "in_loop", "last"), tp, set_name,
+                           fusion, mode)
+            yield pytest.param(name, tp, set_name, fusion, mode, id=f"{case_id}-{mode}",
+                               marks=marks)
+
+
+def _known_failure(fam, tp: int, mode: str = "") -> str:
+    """The reason when SGLang at the active base cannot run this family's ``mode``
+    forward on the CPU (``Family.cannot_run``: ``"<base>:<mode>"``) or is known to
+    disagree with transformers on it at this TP for a bug outside the captures
+    (``Family.known_failures``: ``"<base>:tp<N>:<mode>"``, ``"<base>:<mode>"``, then,
+    except for the idle forward, ``"<base>:tp<N>"``, ``"<base>"``); the extend's cases
+    have no ``mode``."""
     from harness.patchset.layout import layout
 
     label = layout().label
-    return fam.known_failures.get(f"{label}:tp{tp}", fam.known_failures.get(label, ""))
+    if mode and f"{label}:{mode}" in fam.cannot_run:
+        return fam.cannot_run[f"{label}:{mode}"]
+    keys = [f"{label}:tp{tp}:{mode}", f"{label}:{mode}"] if mode else []
+    if mode != "idle":
+        keys += [f"{label}:tp{tp}", label]
+    return next((fam.known_failures[k] for k in keys if k in fam.known_failures), "")
 
 
 # ------------------------------------------------------------------ fixtures
@@ -189,9 +230,11 @@ def references(selected_cases, rank_pool, tmp_path_factory):
         if not _active(fam) or name not in wanted:
             continue
         model = reference.make_checkpoint(fam, root / name)
-        prompts = reference.prompts(fam.config()["vocab_size"])
-        out[name] = dict(checkpoint=str(root / name), prompts=prompts, tps=wanted[name],
-                         ref=reference.reference(fam, model, prompts))
+        vocab_size = fam.config()["vocab_size"]
+        prompts = reference.prompts(vocab_size)
+        appended = reference.appended_tokens(vocab_size)
+        out[name] = dict(checkpoint=str(root / name), prompts=prompts, appended=appended,
+                         tps=wanted[name], ref=reference.reference(fam, model, prompts, appended))
         del model
     return out
 
@@ -219,6 +262,8 @@ def _run(rank_pool, references, tp: int) -> dict:
                 keys.append([(name, s) for s in (set_name, *then)])
                 cases.append(dict(checkpoint=references[name]["checkpoint"],
                                   prompts=references[name]["prompts"],
+                                  appended=references[name]["appended"],
+                                  modes=[] if set_name == "none" else list(MODES),
                                   capture=capture_request(set_name, L),
                                   then=[capture_request(s, L) for s in then],
                                   fusions=list(fam.fusions(tp)), attention=fam.attention,
@@ -243,6 +288,18 @@ def _results(rank_pool, references, name, tp, set_name, fusion) -> list:
         if "error" in res:
             pytest.fail(f"{name} tp{tp} {set_name} {fusion}: rank {r} raised:\n{res['error']}")
     return per_rank
+
+
+def _mode_results(rank_pool, references, name, tp, set_name, fusion, mode) -> list:
+    """Each rank's result of the ``mode`` forward that followed this case's extend."""
+    out = []
+    for r, res in enumerate(_results(rank_pool, references, name, tp, set_name, fusion)):
+        got = res["modes"][mode]
+        if "error" in got:
+            pytest.fail(f"{name} tp{tp} {set_name} {fusion} {mode}: rank {r} raised:\n"
+                        f"{got['error']}")
+        out.append(got)
+    return out
 
 
 def _close(fam, got, want, what: str, rank: int) -> None:
@@ -313,3 +370,41 @@ def test_last_layer_capture(rank_pool, references, name, tp, set_name, fusion):
         )
         k = len(ids) - 1  # the last requested id is layer L - 1: capture index L
         _close(fam, slots[k], want, f"capture {k} (index {L}, {what})", r)
+
+
+def _expected_captures(ref, forward: dict, set_name: str) -> list:
+    """transformers' value of each capture the set requests, in order, at ``forward``'s
+    rows (``ref["modes"][mode]`` or the extend's ``ref``)."""
+    L = ref["num_layers"]
+    post_norm = capture_request(set_name, L).get("final_layer_capture") == "post_norm"
+    last = forward["hidden_states"][L] if post_norm else forward["pre_norm"]
+    return [forward["hidden_states"][j + 1] if j + 1 < L else last for j in _ids(set_name, L)]
+
+
+@pytest.mark.parametrize("name, tp, set_name, fusion, mode", list(_mode_params()))
+def test_mode(rank_pool, references, name, tp, set_name, fusion, mode):
+    fam = families()[name]
+    ref = references[name]["ref"]
+    hidden, vocab = ref["final"].shape[-1], ref["logits"].shape[-1]
+    ids = _ids(set_name, ref["num_layers"])
+    forward = None if mode == "idle" else ref["modes"][mode]
+    want = None if forward is None else _expected_captures(ref, forward, set_name)
+    for r, res in enumerate(_mode_results(rank_pool, references, name, tp, set_name, fusion,
+                                          mode)):
+        tokens = res["final"].shape[0]
+        if forward is None:
+            shapes = (tuple(res["final"].shape), tuple(res["logits"].shape))
+            assert shapes == ((0, hidden), (0, vocab)), (
+                f"rank {r}: an idle batch gave final hidden states and logits of shapes "
+                f"{shapes}, not {((0, hidden), (0, vocab))}"
+            )
+        else:
+            _close(fam, res["final"], forward["final"], f"{mode}: final hidden states", r)
+            _close(fam, res["logits"], forward["logits"], f"{mode}: next-token logits", r)
+        shape = None if res["aux"] is None else tuple(res["aux"].shape)
+        assert res["num_aux"] == len(ids) and shape == (tokens, len(ids) * hidden), (
+            f"rank {r}: {mode}: captured {res['num_aux']} of {len(ids)} aux hidden states; "
+            f"the logits processor handed on {shape}, not {(tokens, len(ids) * hidden)}"
+        )
+        for k, (slot, expected) in enumerate(zip(_slots(res, hidden), want or ())):
+            _close(fam, slot, expected, f"{mode}: capture {k} (index {ids[k] + 1})", r)

@@ -77,3 +77,36 @@ def test_unknown_draft_value_is_one_error_naming_its_source(sglang_tp1):
     finally:
         set_final_layer_capture("pre_norm")
     assert not final_layer_capture_post_norm()
+
+
+@pytest.mark.bases("0.5.23")
+def test_draft_config_given_as_an_object(sglang_tp1):
+    """A draft config section that is a config object, not a dict: read, not an
+    AttributeError at start-up (issue 28, bug 4)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.aux_hidden_states import resolve_final_layer_capture
+
+    assert resolve_final_layer_capture(
+        None, SimpleNamespace(final_layer_capture="post_norm"), "eagle_config") == "post_norm"
+    assert resolve_final_layer_capture(None, SimpleNamespace(), "eagle_config") == "pre_norm"
+
+
+@pytest.mark.bases("0.5.23")
+@pytest.mark.parametrize("hf_config, want", [
+    ({"dspark_config": {"final_layer_capture": "post_norm"}}, "post_norm"),
+    ({"dspark_final_layer_capture": "post_norm"}, "post_norm"),
+    ({"dflash_config": {"final_layer_capture": "post_norm"},
+      "dspark_config": {"final_layer_capture": "pre_norm"}}, "pre_norm"),
+    ({"dflash_config": {"final_layer_capture": "post_norm"}}, "post_norm"),
+], ids=["dspark_config", "top-level", "dspark-over-dflash", "dflash_config"])
+def test_dspark_draft_fields(sglang_tp1, hf_config, want):
+    """A DSpark draft keeps its fields in dspark_config or top-level dspark_* keys (over
+    dflash_config), where the model runner's resolution now reads the setting
+    (issue 28, bug 1: it read dflash_config alone and resolved pre_norm)."""
+    from sglang.srt.layers.aux_hidden_states import resolve_final_layer_capture
+    from sglang.srt.model_executor.model_runner_components import spec_aux_hidden_state
+
+    settings, source = spec_aux_hidden_state._block_draft_capture_config(hf_config, is_dspark=True)
+    assert source == "dspark_config"
+    assert resolve_final_layer_capture(None, settings, source) == want

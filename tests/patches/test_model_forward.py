@@ -104,3 +104,31 @@ def test_forward_traces_fullgraph(sglang_tp1, name, final_layer_capture):
     assert len(eager) == len(compiled)
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c), f"{name}: compiled forward differs from eager"
+
+
+@pytest.mark.bases("0.5.13.post1")
+@pytest.mark.guards("deepstack-capture-setting")
+@pytest.mark.parametrize("setting", ["pre_deepstack", "post_deepstack"])
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_vl_moe"])
+def test_deepstack_forward_traces_fullgraph(sglang_tp1, name, setting):
+    """The Qwen3-VL forwards with deepstack embeddings on every token, captures on
+    either side of them (the pin's deepstack-capture-setting; 0.5.23's layer boundaries
+    do not trace fullgraph at all, see harness/standins/v0_5_23/models)."""
+    from harness.standins.kernels import device, model_dtype
+    from harness.suites.models import compiled_matches_eager, get_model
+
+    spec = specs()[name]
+    layers = layer_sets(spec.tiny.num_layers)["eagle3-last"]
+    model = get_model(name)
+    model.set_deepstack_capture(setting)
+    g = torch.Generator().manual_seed(17)
+    deepstack = torch.randint(-2, 3, (6, 3 * spec.tiny.hidden_size), generator=g).to(
+        device=device(), dtype=model_dtype(spec.tiny))
+    try:
+        eager, compiled, _ = compiled_matches_eager(name, layers,
+                                                    input_deepstack_embeds=deepstack)
+    finally:
+        model.set_deepstack_capture("pre_deepstack")
+    assert len(eager) == len(compiled)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c), f"{name}: compiled forward differs from eager"

@@ -85,7 +85,9 @@ def test_model_runner_says_two_batch_overlap_is_off_while_capturing(sglang_tp1, 
     from types import SimpleNamespace
     from unittest import mock
 
-    class _Model:
+    import torch
+
+    class _Model(torch.nn.Module):
         def set_eagle3_layers_to_capture(self, layer_ids):
             self.ids = layer_ids
 
@@ -102,10 +104,12 @@ def test_model_runner_says_two_batch_overlap_is_off_while_capturing(sglang_tp1, 
             if importlib.util.find_spec("sglang.srt.model_executor.model_runner_components") is None:
                 from sglang.srt.model_executor.model_runner import ModelRunner
 
-                # final_layer_capture: what ModelRunner.__init__ resolves (pin 0016)
+                # final_layer_capture, deepstack_capture: what ModelRunner.__init__
+                # resolves (pin 0016, 0017); model_config: the target's layer count
                 ModelRunner.init_aux_hidden_state_capture(SimpleNamespace(
                     model=_Model(), server_args=SimpleNamespace(enable_two_batch_overlap=tbo),
-                    final_layer_capture="pre_norm", **flags))
+                    model_config=SimpleNamespace(num_hidden_layers=4),
+                    final_layer_capture="pre_norm", deepstack_capture=None, **flags))
             else:
                 setup = importlib.import_module(setup_mod)
                 overlap = SimpleNamespace(overlap=SimpleNamespace(enable_two_batch_overlap=tbo))

@@ -17,9 +17,54 @@ import importlib
 import pkgutil
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["Family", "families", "BOTH_BASES", "tiny_fields"]
+__all__ = ["Family", "families", "BOTH_BASES", "tiny_fields", "MLA_LATENT", "LONG_WINDOW",
+           "PIN", "idle_stops", "IDLE_ROPE", "IDLE_MOE"]
 
 BOTH_BASES = ("0.5.13.post1", "0.5.23")
+PIN = BOTH_BASES[0]
+
+
+def idle_stops(where: Mapping[str, str]) -> dict[str, str]:
+    """``Family.cannot_run`` entries for the idle forward: {base label: why}."""
+    return {f"{base}:idle": why for base, why in where.items()}
+
+
+# Where SGLang's CPU paths stop an idle batch (no tokens): each reshapes a token dimension
+# of zero with a -1 beside it ("cannot reshape tensor of 0 elements").
+# * The families whose attention has no early return for an empty batch (qwen3.py's,
+#   gemma3_causal.py's and the DP-attention models' do) reach the rotary embedding's
+#   CPU path, RotaryEmbedding.forward_native: query.view(num_tokens, -1, head_size).
+IDLE_ROPE = idle_stops({
+    PIN: "an idle batch stops in SGLang's CPU rotary embedding: forward_native views the "
+         "query as [0, -1, head_size] (layers/rotary_embedding/base.py:237)",
+    "0.5.23": "an idle batch stops in SGLang's CPU rotary embedding: forward_native views "
+              "the query as [0, -1, head_size] (layers/rotary_embedding/base.py:347)",
+})
+# * The MoE families reach SGLang's CPU MoE, moe_forward_native: its output
+#   new_x.view(*topk_ids.shape, -1).
+IDLE_MOE = idle_stops({
+    PIN: "an idle batch stops in SGLang's CPU MoE: moe_forward_native views its output as "
+         "[0, top_k, -1] (layers/moe/fused_moe_native.py:141)",
+    "0.5.23": "an idle batch stops in SGLang's CPU MoE: moe_forward_native views its "
+              "output as [0, top_k, -1] (layers/moe/fused_moe_native.py:158)",
+})
+
+
+# The latent widths of the tiny MLA models (DeepSeek-V3, GLM-4.7-Flash, LongCat-Flash):
+# half of the released 512 + 64. SGLang's triton MLA decode kernel takes the released
+# widths only (``decode_attention_fwd_grouped``: pin
+# ``layers/attention/triton_ops/decode_attention.py:453-458``, 0.5.23
+# ``kernels/ops/attention/decode_attention.py:826-831``, ``Lk`` 576 or 288), so the
+# decode batch of a smaller latent fails in the interpreter ("incompatible dimensions").
+# transformers' MLA rotary embedding is sized by ``head_dim``: the rope part's width.
+MLA_LATENT = dict(kv_lora_rank=256, qk_rope_head_dim=32, head_dim=32)
+
+
+# A sliding window longer than every request's whole sequence (the longest prompt, 7
+# tokens, then the decode token and the verify chain: 11), for the families that check
+# their captures with the windowed layers' masking left out (their ``*_window`` twins
+# keep a short window).
+LONG_WINDOW = 16
 
 
 def tiny_fields(**fields: Any) -> dict[str, Any]:
@@ -76,11 +121,14 @@ class Family:
     hf_final_norm: str = "model.norm"
     # Fields SGLang reads that transformers' config does not write (config.json).
     config_json: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # After transformers' init, before save_pretrained: e.g. make a feature visible.
+    # After transformers' init and the common perturbation of every 1-D tensor
+    # (harness.parity.reference.perturb), before save_pretrained: e.g. a value a
+    # checkpoint must hold in another dtype, or a layout.
     prepare: Optional[Callable[[Any], None]] = None
     # SGLang's attention backend on the CPU: torch_native, or triton (interpreted) where
-    # torch_native lacks the family's path (MLA prefill), or "module:function" building
-    # the family's own pools and backend (harness.parity.runner.extend_batch).
+    # torch_native lacks the family's path (MLA prefill, attention sinks), or
+    # "module:function" building the family's own pools and backend
+    # (harness.parity.runner.Requests). Verify batches run the triton backend.
     attention: str = "torch_native"
     # "module:function" run once in each rank before the family's first model is built:
     # installs CPU versions of kernels that have no CPU path (harness/standins/cpu_kernels).
@@ -94,8 +142,14 @@ class Family:
     # "<base label>" or "<base label>:tp<N>" -> why SGLang disagrees with transformers
     # there, for a genuine SGLang bug outside the captures that no patch of that base's
     # series fixes: those cases are strict expected failures (an XPASS fails: the bug is
-    # gone, drop the entry) and guard nothing. docs/MODELS.md lists each.
+    # gone, drop the entry) and guard nothing. docs/MODELS.md lists each. A key may end
+    # in ":<mode>" (harness.parity.runner.MODES) for a bug that only a later forward
+    # shows; the entries without one apply to the decode and verify forwards too (not to
+    # the idle one, which holds no values to disagree on).
     known_failures: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # "<base label>:<mode>" -> where SGLang's code, on the CPU, stops a later forward of
+    # the family (SGLang's file:line): those cases are strict expected failures too.
+    cannot_run: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def fusions(self, tp: int) -> tuple:
         return ("off", "flashinfer") if self.defers and tp > 1 else ("off",)

@@ -3,7 +3,7 @@ Kimi K2.x through kimi_k25's wrapper)."""
 
 from __future__ import annotations
 
-from harness.parity.families import Family, tiny_fields
+from harness.parity.families import IDLE_MOE, MLA_LATENT, Family, tiny_fields
 
 # SGLang's CPU rotary path for MLA takes DeepSeek's yarn only
 # (layers/rotary_embedding/factory.py): yarn with factor 1.0 is plain RoPE.
@@ -26,9 +26,8 @@ def _v3():
         first_k_dense_replace=1,
         norm_topk_prob=True,
         q_lora_rank=32,
-        kv_lora_rank=32,
         qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
+        **MLA_LATENT,
         v_head_dim=16,
         rope_parameters=dict(_YARN),
     )
@@ -48,5 +47,6 @@ FAMILIES = [
         # does not write.
         config_json={"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                      "rope_theta": 10000.0, "rope_scaling": dict(_YARN)},
+        cannot_run=IDLE_MOE,
     ),
 ]

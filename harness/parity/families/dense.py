@@ -13,11 +13,35 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from harness.parity.families import BOTH_BASES, Family, tiny_fields
+from harness.parity.families import (
+    BOTH_BASES,
+    IDLE_ROPE,
+    LONG_WINDOW,
+    PIN,
+    Family,
+    idle_stops,
+    tiny_fields,
+)
 
 _EXAONE_WINDOW = ("SGLang's exaone_moe.py hands transformers' inclusive sliding_window to "
                   "RadixAttention's exclusive window (pin exaone_moe.py 415-417, 0.5.23 "
                   "390-392): its sliding layers attend one token more than transformers'")
+# The triton backend, which SGLang's CPU engine verifies with, takes a sliding window from
+# the model runner (its window buffers and indices), which takes it from the model's
+# get_attention_sliding_window_size; exaone_moe.py has none (gemma3_causal.py and
+# gpt_oss.py do) and is no hybrid-SWA model, so the runner passes None (pin
+# model_runner.py:1441-1451, 0.5.23 load_model_utils.py:144-157) and the sliding layers'
+# verify forward has no window to read.
+_EXAONE_VERIFY = {
+    f"{PIN}:verify": "exaone_moe.py has no get_attention_sliding_window_size, so the model "
+                     "runner gives the triton backend no window (model_runner.py:1441-1451): "
+                     "its sliding layers' verify attention gets no window indices "
+                     "(layers/attention/triton_ops/extend_attention.py:618, None)",
+    "0.5.23:verify": "exaone_moe.py has no get_attention_sliding_window_size, so the model "
+                     "runner gives the triton backend no window (model_runner_components/"
+                     "load_model_utils.py:144-157): layers/attention/triton_backend.py:1824 "
+                     "asserts the sliding layers' window indices",
+}
 
 
 def _apertus():
@@ -62,12 +86,12 @@ def _glm4():
                                         "partial_rotary_factor": 0.5})
 
 
-def _exaone_moe(window: int = 8):
+def _exaone_moe(window: int = LONG_WINDOW):
     # Real K-EXAONE configs: a dense first layer then sigmoid-routed MoE with a shared
     # expert and a correction bias; sliding-window layers with RoPE and global layers
     # without (NoPE), "LLLG".
     #
-    # The window (8) is longer than the prompts (7 and 5): the sliding layers' masking
+    # The window (LONG_WINDOW) is longer than the sequences: the sliding layers' masking
     # is left out here, their RoPE (and the global layer's NoPE) stays, so the captures
     # are checked against transformers. ``exaone_moe_window`` (below) keeps a window of
     # 4, where SGLang disagrees: its exaone_moe.py hands transformers' sliding_window to
@@ -107,17 +131,6 @@ def _exaone_moe_json() -> dict:
             "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
-def _exaone_bias(model) -> None:
-    """A visible router correction bias (transformers initialises it to zeros)."""
-    import torch
-
-    g = torch.Generator().manual_seed(5)
-    for module in model.modules():
-        bias = getattr(module, "e_score_correction_bias", None)
-        if isinstance(bias, torch.Tensor):
-            bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
-
-
 FAMILIES = [
     Family(
         name="apertus",
@@ -127,6 +140,7 @@ FAMILIES = [
         config=_apertus,
         spec="apertus",
         prepare=_xielu_bf16,
+        cannot_run=IDLE_ROPE,
     ),
     Family(
         name="arcee",
@@ -135,6 +149,7 @@ FAMILIES = [
         hf_model_class="ArceeForCausalLM",
         config=_arcee,
         spec="arcee",
+        cannot_run=IDLE_ROPE,
     ),
     Family(
         name="glm4",
@@ -143,6 +158,7 @@ FAMILIES = [
         hf_model_class="Glm4ForCausalLM",
         config=_glm4,
         spec="glm4",
+        cannot_run=IDLE_ROPE,
     ),
     Family(
         name="exaone_moe",
@@ -152,7 +168,13 @@ FAMILIES = [
         config=_exaone_moe,
         spec="exaone_moe",
         config_json=_exaone_moe_json(),
-        prepare=_exaone_bias,
+        cannot_run={
+            **_EXAONE_VERIFY,
+            f"{PIN}:idle": IDLE_ROPE[f"{PIN}:idle"],
+            **idle_stops({"0.5.23": "an idle batch stops in SGLang's grouped top-k: "
+                                    "biased_grouped_topk_impl views the scores as [0, -1] "
+                                    "(layers/moe/topk.py:1797)"}),
+        },
     ),
 ]
 # The same model with a window shorter than the prompts: SGLang's sliding layers attend

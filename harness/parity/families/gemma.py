@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from harness.parity.families import Family, tiny_fields
+from harness.parity.families import IDLE_ROPE, LONG_WINDOW, Family, tiny_fields
 
 # Real Gemma 3 layouts interleave five sliding-window layers with one global layer;
 # the tiny models keep the interleave (and a window shorter than the 7-token prompt).
@@ -89,10 +89,10 @@ def _vision_model_prefix(model) -> None:
         inner.vision_tower = _Tower(inner.vision_tower)
 
 
-def _gemma4_text(window: int = 8, **fields):
+def _gemma4_text(window: int = LONG_WINDOW, **fields):
     # Gemma 4's text layout: sliding layers with a default RoPE, global layers with a
     # wider head (global_head_dim) and "proportional" partial RoPE.
-    # The window (8) is longer than the prompts (7 and 5), so the captures are checked
+    # The window (LONG_WINDOW) is longer than the sequences, so the captures are checked
     # against transformers on both bases; ``gemma4_window`` keeps a window of 4, where
     # the pin disagrees: its Gemma4Attention hands RadixAttention config.sliding_window
     # itself (gemma4_causal.py:298-300) while SGLang's window is exclusive of the
@@ -123,7 +123,7 @@ _GEMMA4_TOKENS = dict(boi_token_id=150, eoi_token_id=151, image_token_id=152,
                       audio_token_id=157)
 
 
-def _gemma4(window: int = 8):
+def _gemma4(window: int = LONG_WINDOW):
     # Gemma 4 E2B/E4B: per-layer embeddings, and the last layers reuse the K/V of the
     # last earlier layer of their type (num_kv_shared_layers) with a double-wide MLP.
     text = _gemma4_text(
@@ -198,6 +198,7 @@ FAMILIES = [
         # The model runner's hybrid-SWA pool: the sliding and global layers have
         # different head dims (head_dim, global_head_dim).
         attention="harness.parity.swa:pools",
+        cannot_run=IDLE_ROPE,
     ),
     Family(
         name="gemma4_moe",
@@ -211,6 +212,7 @@ FAMILIES = [
         # The pin's CPU MoE path refuses activation="gelu" (0.5.23's runs it); the
         # router's folded scale needs the CUDA norm's semantics (see moe_setup).
         setup="harness.parity.families.gemma:moe_setup",
+        cannot_run=IDLE_ROPE,
     ),
 ]
 # Gemma 4 with a window shorter than the prompts: the pin's sliding layers attend one

@@ -18,7 +18,7 @@ DFlash).
 
 from __future__ import annotations
 
-from harness.parity.families import Family, tiny_fields
+from harness.parity.families import PIN, Family, idle_stops, tiny_fields
 
 # The released Granite-4.0-H checkpoints name the layer kinds "mamba" / "attention";
 # transformers >= 5.15 renames them to "linear_attention" / "full_attention" on load
@@ -55,19 +55,31 @@ def _config():
     )
 
 
-def _prepare(model) -> None:
-    """Non-trivial values where transformers' init leaves ones or an arange (the mixers'
-    ``D``, ``dt_bias``, ``A_log`` and every norm weight): a head-sharding or loading slip
-    in them would otherwise not show."""
-    import torch
-
-    g = torch.Generator().manual_seed(5)
-    for name, p in model.named_parameters():
-        if name.endswith((".D", ".dt_bias")) or "norm" in name:
-            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-        elif name.endswith(".A_log"):
-            p.copy_(torch.rand(p.shape, generator=g) * 1.5)
-
+# Where the Mamba2 layers stop the later forwards on the CPU. The decode batch: the mixer's
+# decode conv update (causal_conv1d_update_triton) is bound only on CUDA, NPU and XPU
+# (layers/attention/mamba/mamba.py: pin 42-74, 0.5.23 43-75), and the harness's CPU
+# versions cover the extend's ops only (harness/standins/cpu_kernels/mamba2.py). The
+# verify batch's prefix holds the decode token. The idle batch: the model runner clears
+# the hybrid backend's forward metadata for an idle batch (forward_idle), not its Mamba2
+# backend's, so the mixer reads the previous batch's token count and asserts it.
+_CANNOT_RUN = {
+    f"{PIN}:decode": "the Mamba2 mixer's decode conv update, causal_conv1d_update_triton, is "
+                     "bound only on CUDA/NPU/XPU: NameError at "
+                     "layers/attention/mamba/mamba.py:655",
+    "0.5.23:decode": "the Mamba2 mixer's decode conv update, causal_conv1d_update_triton, is "
+                     "bound only on CUDA/NPU/XPU: NameError at "
+                     "layers/attention/mamba/mamba.py:693",
+    **{f"{base}:verify": "its prefix holds the decode token, whose forward cannot run on the "
+                         "CPU (see the decode case)" for base in (PIN, "0.5.23")},
+    **idle_stops({
+        PIN: "an idle batch leaves the Mamba2 backend's metadata of the previous batch "
+             "(forward_idle clears the hybrid backend's only): MambaMixer2.forward asserts "
+             "its token count (layers/attention/mamba/mamba.py:491)",
+        "0.5.23": "an idle batch leaves the Mamba2 backend's metadata of the previous batch "
+                  "(forward_idle clears the hybrid backend's only): MambaMixer2.forward "
+                  "asserts its token count (layers/attention/mamba/mamba.py:520)",
+    }),
+}
 
 FAMILIES = [
     Family(
@@ -77,9 +89,9 @@ FAMILIES = [
         hf_model_class="GraniteMoeHybridForCausalLM",
         config=_config,
         spec="granitemoehybrid",
-        prepare=_prepare,
         config_json={"layer_types": list(_LAYER_TYPES)},
         attention="harness.parity.mamba:backend",
         setup="harness.parity.mamba:setup",
+        cannot_run=_CANNOT_RUN,
     ),
 ]

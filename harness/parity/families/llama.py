@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.parity.families import Family, tiny_fields
+from harness.parity.families import IDLE_ROPE, Family, tiny_fields
 
 FAMILIES = [
     Family(
@@ -12,5 +12,6 @@ FAMILIES = [
         hf_model_class="LlamaForCausalLM",
         config=lambda: tiny_fields(),
         spec="llama",
+        cannot_run=IDLE_ROPE,
     ),
 ]

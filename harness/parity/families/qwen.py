@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.parity.families import Family, tiny_fields
+from harness.parity.families import IDLE_MOE, IDLE_ROPE, Family, tiny_fields
 
 
 def _moe(**fields):
@@ -25,6 +25,7 @@ FAMILIES = [
         hf_model_class="Qwen2ForCausalLM",
         config=lambda: tiny_fields(),
         spec="qwen2",
+        cannot_run=IDLE_ROPE,
     ),
     Family(
         name="qwen3",
@@ -41,6 +42,7 @@ FAMILIES = [
         hf_model_class="Qwen2MoeForCausalLM",
         config=lambda: _moe(shared_expert_intermediate_size=48),
         spec="qwen2_moe",
+        cannot_run=IDLE_MOE,
     ),
     Family(
         name="qwen3_moe",
@@ -50,5 +52,6 @@ FAMILIES = [
         config=lambda: _moe(),
         spec="qwen3_moe",
         defers=True,
+        cannot_run=IDLE_MOE,
     ),
 ]

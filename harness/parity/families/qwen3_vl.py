@@ -7,12 +7,12 @@ a tiny vision tower, so SGLang resolves the class the engine would and its sette
 through the wrapper. Prompts are text only: no deepstack (image tokens are out of this
 tier's scope), and the M-RoPE positions are the text positions on all three axes, as
 SGLang's ``ForwardBatch`` makes them for a request without images
-(``harness.parity.runner.extend_batch``).
+(``harness.parity.runner.Requests``).
 """
 
 from __future__ import annotations
 
-from harness.parity.families import Family, tiny_fields
+from harness.parity.families import IDLE_MOE, Family, tiny_fields
 
 # head_dim 16: M-RoPE splits its 8 rotary frequencies over (t, h, w), interleaved as in
 # the released checkpoints ("mrope_interleaved": true, sections summing to head_dim / 2).
@@ -93,5 +93,6 @@ FAMILIES = [
         defers=True,
         prepare=_released_expert_layout,
         hf_final_norm="model.language_model.norm",
+        cannot_run=IDLE_MOE,
     ),
 ]

@@ -31,7 +31,10 @@ from sglang.srt.layers.aux_hidden_states import (
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.model_executor.model_runner_components import attention_backend_setup
+from sglang.srt.model_executor.model_runner_components import (
+    attention_backend_setup,
+    spec_aux_hidden_state,
+)
 from sglang.srt.models.beam import BeamForCausalLM
 from sglang.srt.models.deepseek_v2 import DeepseekV2Model
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -235,6 +238,49 @@ class TestResolveFinalLayerCapture(CustomTestCase):
         self.assertEqual(
             resolve_final_layer_capture("post_norm", None, "eagle_config"), "post_norm"
         )
+
+    def test_draft_config_object(self):
+        # A draft config section given as a config object, not a dict.
+        draft = types.SimpleNamespace(final_layer_capture="post_norm")
+        self.assertEqual(
+            resolve_final_layer_capture(None, draft, "eagle_config"), "post_norm"
+        )
+        self.assertEqual(
+            resolve_final_layer_capture(None, types.SimpleNamespace(), "eagle_config"),
+            "pre_norm",
+        )
+
+    def test_dspark_draft_config(self):
+        # A DSpark draft keeps its fields in dspark_config or top-level dspark_* keys.
+        for hf_config, want in (
+            ({"dspark_config": {"final_layer_capture": "post_norm"}}, "post_norm"),
+            ({"dspark_final_layer_capture": "post_norm"}, "post_norm"),
+            (
+                {
+                    "dflash_config": {"final_layer_capture": "post_norm"},
+                    "dspark_config": {"final_layer_capture": "pre_norm"},
+                },
+                "pre_norm",
+            ),
+            ({"dflash_config": {"final_layer_capture": "post_norm"}}, "post_norm"),
+        ):
+            with self.subTest(hf_config=hf_config):
+                self.assertEqual(
+                    resolve_final_layer_capture(
+                        None,
+                        *spec_aux_hidden_state._block_draft_capture_config(
+                            hf_config, is_dspark=True
+                        ),
+                    ),
+                    want,
+                )
+        with self.assertRaisesRegex(ValueError, "dspark_config.final_layer_capture"):
+            resolve_final_layer_capture(
+                None,
+                *spec_aux_hidden_state._block_draft_capture_config(
+                    {"dspark_final_layer_capture": "after"}, is_dspark=True
+                ),
+            )
 
     def test_unknown_values_raise(self):
         with self.assertRaisesRegex(ValueError, "dflash_config.final_layer_capture"):
