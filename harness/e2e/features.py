@@ -25,12 +25,11 @@ layer's (id ``L - 1``) is the stream entering the final norm under ``pre_norm`` 
 ``hidden_states[L]`` (the final norm's output) under ``post_norm``
 (``--speculative-final-layer-capture``, added by the series' ``final-layer-capture``).
 
-The checkpoints are the parity tier's families (``harness.parity.families``: the same
-configs and model classes) with every tensor that transformers initialises to a
-constant (norm weights, biases, router correction biases) perturbed
-(``harness.e2e.checkpoints.perturb``), so
-a capture on the wrong side of a norm, a norm weight that failed to load or a lost bias
-changes the value.
+The checkpoints are the parity tier's own (``harness.parity.reference.make_checkpoint``
+of the family: the same configs, model classes and common perturbation step, every 1-D
+tensor moved off transformers' initialisation: norm weights, biases, router correction
+biases), so a capture on the wrong side of a norm, a norm weight that failed to load or a
+lost bias changes the value.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from harness.e2e.checkpoints import perturb
 from harness.e2e.engine import EngineConfig, EngineError, Session
 
 CHUNK = 8                 # chunked_prefill_size: CHUNKED runs in three chunks
@@ -137,23 +135,17 @@ class Checkpoint:
 
 
 def make_checkpoint(family_name: str, directory: Path) -> Checkpoint:
-    """The parity family's tiny checkpoint, with ``perturb`` applied after its
-    ``prepare``; the transformers model kept for the reference."""
+    """The parity family's tiny checkpoint, every 1-D tensor perturbed (the parity tier's
+    common step, ``harness.parity.reference.perturb``); the transformers model kept for
+    the reference."""
     from harness.parity import reference
 
-    fam = family(family_name)
-    perturbed: list[str] = []
-
-    def prepare(model) -> None:
-        if fam.prepare is not None:
-            fam.prepare(model)
-        perturbed.extend(perturb(model))
-
-    model = reference.make_checkpoint(dataclasses.replace(fam, prepare=prepare), directory)
+    model = reference.make_checkpoint(family(family_name), directory)
     config = json.loads((directory / "config.json").read_text())
     text = config.get("text_config", config)
     layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
-    return Checkpoint(directory, int(layers), int(text["hidden_size"]), model, tuple(perturbed))
+    perturbed = tuple(reference.one_dimensional(model))
+    return Checkpoint(directory, int(layers), int(text["hidden_size"]), model, perturbed)
 
 
 def layer_ids(layers: int) -> tuple[int, ...]:
@@ -300,16 +292,22 @@ def hf_rows(model, sequence: Sequence[int], indices: Sequence[int], layers: int,
     layer ``i``, except ``i == layers`` (the last layer's output) under ``pre_norm``: the
     stream entering the final norm (a pre-hook on ``final_norm``, transformers' module
     path), not ``hidden_states[L]``, which is after it (``post_norm``)."""
-    import types
+    import functools
 
     import torch
 
-    from harness.parity import reference
-
-    named = types.SimpleNamespace(name=type(model).__name__, hf_final_norm=final_norm)
-    ref = reference.reference(named, model, [list(sequence)])
-    slots = [ref["pre_norm"] if i == layers and capture == "pre_norm" else ref["hidden_states"][i]
-             for i in indices]
+    norm = functools.reduce(getattr, final_norm.split("."), model)
+    seen: list = []
+    handle = norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([list(sequence)]), output_hidden_states=True, use_cache=False)
+    finally:
+        handle.remove()
+    if len(seen) != 1:
+        raise RuntimeError(f"transformers' {final_norm} ran {len(seen)} times")
+    hidden = [h[0] for h in out.hidden_states]
+    slots = [seen[0][0] if i == layers and capture == "pre_norm" else hidden[i] for i in indices]
     return torch.cat(slots, dim=-1)
 
 
