@@ -5,8 +5,11 @@ one Engine, with the probe on. Tests only read runs (``Runs.get``), so however p
 orders them, each configuration's Engine starts once.
 
 Prompts (token ids): ``ANCHOR`` ends in an anchor token, so the anchored target emits
-``Z`` from its first token on and an exact draft is always right; ``RANDOM`` holds no
-anchor, so the target is a random model for a while and every draft is rejected.
+``Z`` from its first token on and an exact draft is always right (two verify rounds of
+4); ``PARTIAL`` ends in the lead token ``W``: the target says ``A_W`` (an anchor), then
+``Z``, and the exact draft, wrong after ``W``, has its first round rejected and every
+later one accepted (three rounds: accept length 3.0), so the captures of a verify
+forward decide acceptance.
 """
 
 from __future__ import annotations
@@ -19,10 +22,24 @@ from harness.e2e import checkpoints, probe, tokenizer
 from harness.e2e.engine import EngineConfig, EngineError, Session
 
 ANCHOR = (12, 40, 99, 16)
-RANDOM = (200, 17, 33, 41)
-PROMPTS = (ANCHOR, RANDOM)
-MAX_NEW_TOKENS = 5  # the prefill's token, then one verify round of 4 when all is accepted
-SAMPLING = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+PARTIAL = (200, 17, 33, checkpoints.W)
+PROMPTS = (ANCHOR, PARTIAL)
+# New tokens per prompt, each a whole number of verify rounds when the exact draft runs:
+# ANCHOR: the prefill's token, then two rounds of 4; PARTIAL: the prefill's A_W, a
+# rejected round (its bonus Z), then two rounds of 4.
+MAX_NEW_TOKENS = {ANCHOR: 9, PARTIAL: 10}
+# The exact EAGLE3 draft's accept length per prompt (1 + accepted drafts per round).
+EXACT_ACCEPT = {ANCHOR: 4.0, PARTIAL: 1.0 + (0 + 3 + 3) / 3}
+
+
+def sampling(prompt: tuple[int, ...]) -> dict[str, Any]:
+    return {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS[prompt], "ignore_eos": True}
+
+
+def expected_output(prompt: tuple[int, ...]) -> list[int]:
+    """What the anchored target generates greedily for ``prompt``."""
+    lead = [checkpoints.A_W] if prompt[-1] == checkpoints.W else []
+    return lead + [checkpoints.Z] * (MAX_NEW_TOKENS[prompt] - len(lead))
 
 # The capture ids each draft names: every one includes the target's last layer (3 layers).
 LLAMA_LAYERS = 3
@@ -123,6 +140,17 @@ class Checkpoints:
         return self._once(name, lambda p: checkpoints.make_dflash(p, ids, layers, exact=case.draft == "exact",
                                                                   block_size=case.draft_tokens))
 
+    def hf(self, model: str):
+        """The target in transformers (float32, eager attention), loaded once."""
+        def load(_path):
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(
+                str(self.target(model).path), dtype=torch.float32, attn_implementation="eager").eval()
+
+        return self._once(f"{model}-hf", load)
+
     def config(self, case: Case) -> EngineConfig:
         draft = self.draft(case)
         return EngineConfig(
@@ -166,12 +194,87 @@ class Runs:
             self.session.ensure(self.ckpts.config(case), probe=record)
             run = Run(case)
             for prompt in PROMPTS:
-                run.singles += self.session.generate(tokenizer.text(list(prompt)), SAMPLING)
-            run.batch = self.session.generate([tokenizer.text(list(p)) for p in PROMPTS], SAMPLING)
+                run.singles += self.session.generate(tokenizer.text(list(prompt)), sampling(prompt))
+            run.batch = self.session.generate([tokenizer.text(list(p)) for p in PROMPTS],
+                                              [sampling(p) for p in PROMPTS])
         except EngineError as exc:
             return exc
         run.events = probe.read(str(record))
         return run
+
+
+# Tolerance of a capture against transformers (float32; bfloat16: the stream rounded to
+# 8 mantissa bits at every op), relative to the row's largest value (compare_rows).
+TOLERANCE = {"float32": (2e-4, 2e-4), "bfloat16": (5e-2, 5e-2)}
+
+
+def capture_mismatches(run: Run, ckpts: Checkpoints) -> tuple[int, list[str]]:
+    """Every target forward the probe recorded (``captures`` events: extend and
+    target-verify), each request's rows against transformers on the token sequence that
+    request's rows were computed on: its prompt up to the row (extend), or the tokens it
+    had committed then, followed by the row's tree path of draft tokens (verify:
+    ``ancestors``; a chain without a tree mask). Returns (rows checked, problems)."""
+    from harness.e2e.features import compare_rows, hf_rows
+
+    case = run.case
+    target = ckpts.target(case.model)
+    model = ckpts.hf(case.model)
+    layers = target.layers
+    indices = [j + 1 for j in case.aux_ids]  # EAGLE3 / DFlash: id j is hidden_states[j + 1]
+    capture = case.final_layer_capture or "pre_norm"
+    slots = ["the last layer's" if j == layers - 1 else f"id {j}'s" for j in case.aux_ids]
+    atol, rtol = TOLERANCE[case.dtype]
+    full = {tuple(p): list(p) + out["output_ids"] for p, out in zip(PROMPTS, run.singles)}
+    cache: dict[tuple[int, ...], Any] = {}
+
+    def row(context: list[int]):
+        key = tuple(context)
+        if key not in cache:
+            rows = hf_rows(model, context, indices, layers, capture)
+            for k in range(1, len(context) + 1):
+                cache.setdefault(key[:k], rows[k - 1])
+        return cache[key]
+
+    import torch
+
+    owner: dict[int, tuple[int, ...]] = {}
+    checked, problems = 0, []
+    for n_event, ev in enumerate(e for e in run.events if e["event"] == "captures"):
+        offset = 0
+        for pool, length in ev["segments"]:
+            ids = ev["input_ids"][offset:offset + length]
+            pos = ev["positions"][offset:offset + length]
+            got = torch.tensor(ev["rows"][offset:offset + length], dtype=torch.float32)
+            anc = ev["ancestors"][offset:offset + length] if ev["ancestors"] else None
+            offset += length
+            where = f"forward {n_event} ({ev['mode']}, req slot {pool}, positions {pos[0]}..{pos[-1]})"
+            if ev["mode"] == "EXTEND":
+                prompt = next((p for p in full if pos[0] == 0 and tuple(ids) == p), None)
+                if prompt is None:
+                    problems.append(f"{where}: tokens {ids} are no prompt's")
+                    continue
+                owner[pool] = prompt
+                contexts = [full[prompt][:q + 1] for q in pos]
+            elif ev["mode"] == "TARGET_VERIFY":
+                if pool not in owner:
+                    problems.append(f"{where}: no extend forward of this request before")
+                    continue
+                committed = full[owner[pool]][:pos[0]]
+                paths = anc or [list(range(r + 1)) for r in range(length)]
+                contexts = [committed + [ids[a] for a in sorted(path, key=lambda a: pos[a])] for path in paths]
+                bad = [r for r, c in enumerate(contexts) if len(c) != pos[r] + 1]
+                if bad:
+                    problems.append(f"{where}: rows {bad}: tree paths do not reach their positions")
+                    continue
+            else:
+                problems.append(f"{where}: a target forward of mode {ev['mode']}")
+                continue
+            want = torch.stack([row(c) for c in contexts])
+            problem = compare_rows(got, want, checkpoints.H, slots, atol, rtol)
+            checked += length
+            if problem:
+                problems.append(f"{where}: {problem}")
+    return checked, problems
 
 
 def platform_refusal(error: EngineError) -> str | None:

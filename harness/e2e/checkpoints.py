@@ -13,8 +13,18 @@ different and rich) with two reserved residual dimensions that pin its behaviour
   normed ``C0``), 0 elsewhere. So ``D1 > 0`` in the last layer's output, and only there.
 - ``lm_head``: row ``Z`` is ``BIG * e_C0``, no other row reads ``C0`` or ``D1``.
 
+- dim ``E2``: only the embedding of the *lead* token ``W`` holds ``C`` there, no layer
+  writes it, and ``lm_head`` row ``A_W`` (an anchor) reads only it (``BIG``).
+
 Its greedy token after an anchor is ``Z`` (an anchor), whatever came before: from the
-first anchor on it generates ``Z`` forever. After other tokens it is a random model.
+first anchor on it generates ``Z`` forever. After ``W`` it says ``A_W``, so a prompt
+ending in ``W`` leads into the ``Z`` regime one token late. After other tokens it is a
+random model.
+
+Every tensor transformers initialises to a constant (the norm weights) is perturbed
+(``perturb``), so the captures' values depend on each norm weight; the reserved
+dimensions of every hidden-size norm weight are made positive, so the construction
+holds on either side of a norm.
 
 **The exact EAGLE3 draft**: ``fc`` passes the slot of the target's last layer through
 (identity), the decoder layer adds nothing (``o_proj`` and ``down_proj`` zero, so every
@@ -23,7 +33,10 @@ draft step carries the same hidden), and its ``lm_head`` has two rows: ``Z`` rea
 It predicts ``Z`` exactly when the value in that slot is the target's last-layer output
 at an anchor position; a missing capture, an off-by-one layer or any other value there
 (``D1 = 0``) makes it predict ``Z_DECOY``, which the target rejects. Once the target is
-in its ``Z`` regime, every draft token is accepted: accept length = steps + 1.
+in its ``Z`` regime, every draft token is accepted: accept length = steps + 1. After
+``W`` it is wrong (``D1 = 0`` there): with a prompt ending in ``W`` the first round
+accepts nothing, and every later round, drafted from the captures of a *verify*
+forward (at ``A_W`` and after), accepts everything.
 
 **The exact DFlash draft** does the same through attention: ``fc`` passes the last
 layer's slot, the context values read ``D1`` and ``o_proj`` writes it into ``C0`` of
@@ -50,13 +63,16 @@ FFN = 128
 VOCAB = tokenizer.VOCAB
 Z = 8            # the anchored target's token from the first anchor on
 Z_DECOY = 9      # what the exact draft predicts when the capture is wrong
-C0, D1 = 0, 1    # reserved residual dimensions
+W = 13           # the lead token: the target says A_W after it
+A_W = 24         # an anchor
+C0, D1, E2 = 0, 1, 2  # reserved residual dimensions
 MARK_UNIT = 0    # the last layer's MLP unit that writes D1
 C = 1.0
 BIG = 60.0       # target lm_head[Z, C0]
 A, B = 200.0, 1.0  # exact draft lm_head[Z, D1], lm_head[Z_DECOY, C0]
 G = U = 3.0      # the marker unit's gate/up weight on C0
 SIGMA = 0.15     # random weights
+PERTURB_SCALE = 0.3  # noise on what transformers initialises to a constant
 
 
 def anchors() -> list[int]:
@@ -89,6 +105,30 @@ def _edit_safetensors(path: Path, edit) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(files[0]), metadata={"format": "pt"})
 
 
+def perturb(model, seed: int = 7) -> list[str]:
+    """Add seeded noise (``PERTURB_SCALE``) to every floating tensor of ``model``'s state
+    dict that holds one constant: what transformers initialises norm weights (1, or 0
+    for Gemma's ``1 + w``), biases and router correction biases to. Tensors a family's
+    ``prepare`` already set (GPT-OSS's sinks) are left as they are. Returns the names."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    done = []
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+            if not data.is_floating_point() or data.numel() == 0:
+                continue
+            flat = data.reshape(-1)
+            if not bool((flat == flat[0]).all()):
+                continue
+            noise = torch.randn(data.shape, generator=gen) * PERTURB_SCALE
+            data.add_(noise.to(data.dtype))
+            done.append(name)
+    return done
+
+
+
 def _randomize(model, seed: int) -> None:
     import torch
 
@@ -108,11 +148,16 @@ def _anchor(tensors: dict, layers: int, marker_prefix: str) -> None:
     emb.copy_(torch.randn(emb.shape, generator=gen) * 0.5)
     emb[:, C0] = 0.0
     emb[:, D1] = 0.0
+    emb[:, E2] = 0.0
     emb[anchors(), C0] = C
+    emb[W, E2] = C
     for name, t in tensors.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             t[C0, :] = 0.0
             t[D1, :] = 0.0
+            t[E2, :] = 0.0
+        elif name.endswith("norm.weight") and tuple(t.shape) == (H,):
+            t[[C0, D1, E2]] = t[[C0, D1, E2]].abs()
     gate = tensors[f"{marker_prefix}.gate_proj.weight"]
     up = tensors[f"{marker_prefix}.up_proj.weight"]
     down = tensors[f"{marker_prefix}.down_proj.weight"]
@@ -124,8 +169,11 @@ def _anchor(tensors: dict, layers: int, marker_prefix: str) -> None:
     head = tensors["lm_head.weight"]
     head[:, C0] = 0.0
     head[:, D1] = 0.0
+    head[:, E2] = 0.0
     head[Z, :] = 0.0
     head[Z, C0] = BIG
+    head[A_W, :] = 0.0
+    head[A_W, E2] = BIG
 
 
 def make_llama(path: Path, layers: int = 3, seed: int = 0) -> Target:
@@ -142,6 +190,7 @@ def make_llama(path: Path, layers: int = 3, seed: int = 0) -> Target:
     )
     model = LlamaForCausalLM(cfg)
     _randomize(model, seed)
+    perturb(model)
     model.save_pretrained(str(path), safe_serialization=True)
     _edit_safetensors(path, lambda t: _anchor(t, layers, f"model.layers.{layers - 1}.mlp"))
     _save_tokenizer(path)
@@ -172,6 +221,7 @@ def make_deepseek(path: Path, layers: int = 3, seed: int = 0) -> Target:
     )
     model = DeepseekV3ForCausalLM(cfg)
     _randomize(model, seed)
+    perturb(model)
     model.save_pretrained(str(path), safe_serialization=True)
     _edit_safetensors(path, lambda t: _anchor(t, layers, f"model.layers.{layers - 1}.mlp.shared_experts"))
     # Fields SGLang reads from hub DeepSeek-V3 configs that transformers 5 does not write.

@@ -4,8 +4,13 @@ It hosts one ``sglang.Engine`` at a time, for the parent (``harness.e2e.engine``
 which sends one JSON command a line on fd R and reads one JSON answer a line on fd W
 (stdout and stderr are the log the parent shows on failure):
 
-- ``{"op": "start", "name": ..., "args": {Engine kwargs}, "probe": path | null}``
-- ``{"op": "generate", "prompt": str | [str], "sampling": {...}}`` -> ``outputs``
+- ``{"op": "start", "name": ..., "args": {Engine kwargs}, "probe": path | null,
+  "setup": ["module:function", ...] | null, "env": {...} | null}`` (``setup``: run in
+  every process the Engine starts, before it runs: CPU stand-ins a model family needs;
+  ``env``: variables set for this Engine's processes, e.g. SGLang's CPU thread binding)
+- ``{"op": "generate", "prompt": str | [str], "sampling": {...}}`` -> ``outputs``; or
+  ``"input_ids": [int] | [[int]]`` instead of a prompt, and ``"return_hidden_states":
+  true`` to keep each output's ``meta_info["hidden_states"]``
 - ``{"op": "stop"}``: the Engine's own ``shutdown()``; ``{"op": "exit"}``.
 
 The Engine runs here, not in the pytest process: a scheduler that fails sends SIGQUIT
@@ -53,12 +58,30 @@ def _start_method() -> str:
     return method
 
 
+SETUP_ENV = "HARNESS_E2E_SETUP"
+
+
+def run_setup() -> None:
+    """Call each ``"module:function"`` of ``HARNESS_E2E_SETUP`` (comma-separated): an
+    engine's CPU stand-ins for kernels that have no CPU path (a parity family's
+    ``setup``), installed in every process the Engine starts, before it runs."""
+    import importlib
+
+    for spec in filter(None, os.environ.get(SETUP_ENV, "").split(",")):
+        module, _, function = spec.partition(":")
+        getattr(importlib.import_module(module), function)()
+
+
 class _EnvProcess(multiprocessing.Process):
-    """A Process that runs with the environment its parent had at ``start()``, and with
-    the probe installed when ``HARNESS_E2E_PROBE`` is set there."""
+    """A Process that runs with the environment its parent had at ``start()``, with the
+    probe installed when ``HARNESS_E2E_PROBE`` is set there and the setup hooks of
+    ``HARNESS_E2E_SETUP`` run."""
+
+    started = 0  # processes started in this driver, all Engines together
 
     def start(self) -> None:
         self._harness_env = dict(os.environ)
+        _EnvProcess.started += 1
         super().start()
 
     def run(self) -> None:
@@ -69,6 +92,7 @@ class _EnvProcess(multiprocessing.Process):
         from harness.e2e import probe
 
         probe.install_from_env()
+        run_setup()
         super().run()
 
 
@@ -122,6 +146,7 @@ class Driver:
         self.engine_module = engine_module
         self.engine = None
         self.name = None
+        self.env_keys: list[str] = []
         engine_module.mp = _Multiprocessing(self.method)
         if self.method == "forkserver":
             original = engine_module.kill_process_tree
@@ -135,30 +160,55 @@ class Driver:
 
             engine_module.kill_process_tree = kill_process_tree
 
-    def start(self, name: str, args: dict[str, Any], probe: str | None) -> dict[str, Any]:
+    def start(self, name: str, args: dict[str, Any], probe: str | None,
+              setup: list[str] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
         if self.engine is not None:
             self.stop()
+        for key in self.env_keys:  # the previous Engine's
+            os.environ.pop(key, None)
+        self.env_keys = list(env or {})
+        os.environ.update(env or {})
         if probe:
             os.environ["HARNESS_E2E_PROBE"] = probe
         else:
             os.environ.pop("HARNESS_E2E_PROBE", None)
+        if setup:
+            os.environ[SETUP_ENV] = ",".join(setup)
+        else:
+            os.environ.pop(SETUP_ENV, None)
         t0 = time.monotonic()
         print(f"[harness.e2e.driver] starting engine {name}", file=sys.stderr, flush=True)
         self.engine = self.sgl.Engine(**args)
         self.name = name
         return {"start_s": round(time.monotonic() - t0, 2)}
 
-    def generate(self, prompt: Any, sampling: dict[str, Any]) -> dict[str, Any]:
+    def generate(self, prompt: Any, sampling: dict[str, Any], input_ids: Any = None,
+                 return_hidden_states: bool = False) -> dict[str, Any]:
+        """One ``Engine.generate``: text ``prompt`` or token ``input_ids`` (one request
+        or a list); with ``return_hidden_states`` each output keeps its
+        ``meta_info["hidden_states"]``."""
         if self.engine is None:
             raise RuntimeError("no engine is running")
         t0 = time.monotonic()
-        out = self.engine.generate(prompt=prompt, sampling_params=sampling)
+        kwargs: dict[str, Any] = {"sampling_params": sampling}
+        if input_ids is not None:
+            kwargs["input_ids"] = input_ids
+        else:
+            kwargs["prompt"] = prompt
+        if return_hidden_states:
+            kwargs["return_hidden_states"] = True
+        out = self.engine.generate(**kwargs)
         outs = out if isinstance(out, list) else [out]
         keep = []
         for o in outs:
-            meta = {k: v for k, v in o.get("meta_info", {}).items()
-                    if k.startswith("spec_") or k in ("completion_tokens", "prompt_tokens", "finish_reason")}
-            keep.append({"output_ids": list(o.get("output_ids") or []), "text": o.get("text"), "meta": meta})
+            info = o.get("meta_info", {})
+            meta = {k: v for k, v in info.items()
+                    if k.startswith("spec_") or k in ("completion_tokens", "prompt_tokens", "finish_reason",
+                                                      "cached_tokens")}
+            record = {"output_ids": list(o.get("output_ids") or []), "text": o.get("text"), "meta": meta}
+            if return_hidden_states:
+                record["hidden_states"] = info.get("hidden_states")
+            keep.append(record)
         return {"outputs": keep, "generate_s": round(time.monotonic() - t0, 2)}
 
     def abandon(self) -> None:
@@ -196,11 +246,14 @@ def _serve(cmd_fd: int, resp_fd: int) -> int:
             continue
         cmd = json.loads(line)
         op = cmd.get("op")
+        processes_before = _EnvProcess.started
         try:
             if op == "start":
-                result = driver.start(cmd["name"], cmd["args"], cmd.get("probe"))
+                result = driver.start(cmd["name"], cmd["args"], cmd.get("probe"), cmd.get("setup"),
+                                      cmd.get("env"))
             elif op == "generate":
-                result = driver.generate(cmd["prompt"], cmd["sampling"])
+                result = driver.generate(cmd.get("prompt"), cmd["sampling"], cmd.get("input_ids"),
+                                         bool(cmd.get("return_hidden_states")))
             elif op == "stop":
                 result = driver.stop()
             elif op == "exit":
@@ -211,8 +264,12 @@ def _serve(cmd_fd: int, resp_fd: int) -> int:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as exc:  # noqa: BLE001 - the parent reports it with the log tail
             detail = traceback.format_exc()
+            # Whether the Engine had started processes: after a start that did, the
+            # next start in this driver has hung (the parent then opens a fresh one).
+            started = _EnvProcess.started != processes_before or op != "start"
             driver.abandon()
-            answer({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": detail})
+            answer({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": detail,
+                    "started_processes": started})
             continue
         answer({"ok": True, **result})
     driver.stop()

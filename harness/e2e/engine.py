@@ -35,7 +35,10 @@ TAIL_LINES = 40
 
 
 class EngineError(RuntimeError):
-    """One engine failed: start, generate, or the driver itself."""
+    """One engine failed: start, generate, or the driver itself. ``answer``: the driver's
+    failure answer, when it gave one (None when it died or missed a deadline)."""
+
+    answer: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class EngineConfig:
     num_steps: int = 3
     num_draft_tokens: int = 4
     extra: tuple[tuple[str, Any], ...] = ()
+    # "module:function" hooks run in every process the Engine starts (the driver's
+    # HARNESS_E2E_SETUP): CPU stand-ins for kernels the family needs that have no CPU path.
+    setup: tuple[str, ...] = ()
+    # Environment variables for this Engine's processes (e.g. SGLANG_CPU_OMP_THREADS_BIND).
+    env: tuple[tuple[str, str], ...] = ()
 
     def engine_args(self) -> dict[str, Any]:
         args: dict[str, Any] = dict(
@@ -236,7 +244,9 @@ class Session:
         line, self._buf = self._buf.split(b"\n", 1)
         answer = json.loads(line)
         if not answer.get("ok"):
-            raise self._fail(f"failed to {doing}: {answer.get('error')}", answer.get("traceback", ""), kill=False)
+            error = self._fail(f"failed to {doing}: {answer.get('error')}", answer.get("traceback", ""), kill=False)
+            error.answer = answer
+            raise error
         return answer
 
     def _call(self, cmd: dict[str, Any], timeout: float, doing: str) -> dict[str, Any]:
@@ -258,14 +268,34 @@ class Session:
         if self.proc is None:
             self.open()
         self.current = config
-        answer = self._call({"op": "start", "name": config.key, "args": config.engine_args(),
-                             "probe": str(probe) if probe else None}, START_TIMEOUT, "start")
+        try:
+            answer = self._call({"op": "start", "name": config.key, "args": config.engine_args(),
+                                 "probe": str(probe) if probe else None, "setup": list(config.setup),
+                                 "env": dict(config.env)}, START_TIMEOUT, "start")
+        except EngineError as exc:
+            # A start that failed after the Engine started processes (a scheduler that
+            # died loading the model) has left the driver unable to start the next one
+            # (seen: that start hung to its deadline): the next ensure() opens a fresh
+            # driver. A refusal before any process started (SGLang's argument checks)
+            # keeps it.
+            if exc.answer is None or exc.answer.get("started_processes", True):
+                self._kill()
+            raise
         self.timings.append((config.key, "start", float(answer.get("start_s", 0.0))))
 
-    def generate(self, prompt: str | list[str], sampling: dict[str, Any],
-                 timeout: float = GENERATE_TIMEOUT) -> list[dict[str, Any]]:
+    def generate(self, prompt: str | list[str] | None, sampling: dict[str, Any] | list[dict[str, Any]],
+                 timeout: float = GENERATE_TIMEOUT, *, input_ids: list | None = None,
+                 return_hidden_states: bool = False) -> list[dict[str, Any]]:
+        """One ``Engine.generate`` of ``prompt`` (text) or ``input_ids`` (tokens; one
+        request or a list of them; ``sampling`` one for all or one each), each output's
+        ``meta_info["hidden_states"]`` kept with ``return_hidden_states``."""
         if self.current is None:
             raise EngineError("no engine is running")
-        answer = self._call({"op": "generate", "prompt": prompt, "sampling": sampling}, timeout, "generate")
+        cmd: dict[str, Any] = {"op": "generate", "prompt": prompt, "sampling": sampling}
+        if input_ids is not None:
+            cmd["input_ids"] = input_ids
+        if return_hidden_states:
+            cmd["return_hidden_states"] = True
+        answer = self._call(cmd, timeout, "generate")
         self.timings.append((self.current.key, "generate", float(answer.get("generate_s", 0.0))))
         return answer["outputs"]

@@ -14,7 +14,16 @@ file) appends one JSON line per event to ``path``:
   was handed (the final norm's output: a ``post_norm`` capture of the last layer);
 - ``{"event": "fc", "model": ..., "in": W, "expected": E}``: every input to the draft's
   ``fc`` (EAGLE3 ``LlamaForCausalLMEagle3``, ``DFlashDraftModel``), its width against
-  the width the layer takes.
+  the width the layer takes;
+- ``{"event": "captures", "mode": ..., "input_ids": [...], "positions": [...],
+  "segments": [[req_pool_index, length], ...], "ancestors": [...] | null, "rows":
+  [[...K*H floats...], ...]}``: every target forward's captures, whole (packed, or the
+  list concatenated in order), with the tokens and positions of that forward and each
+  request's rows (in order) by its ``req_pool_indices`` slot; for a target-verify
+  forward, ``ancestors[r]`` lists the draft rows row ``r`` attends to in its request's
+  segment (itself included), read from the verify tree mask (``spec_info.custom_mask``,
+  the FULL_MASK layout: per request ``n x (prefix + n)``), so a test can rebuild the
+  token sequence each row was computed on.
 
 The wrappers only record, then call SGLang's own code with the same arguments.
 """
@@ -90,12 +99,68 @@ def _wrap_logits_processor(module) -> None:
                 last = aux_hidden_states[..., -hidden:] if k else None
             last_is_final = (last is not None and tuple(last.shape) == tuple(hidden_states.shape)
                              and bool((last == hidden_states).all()))
-            _write({"event": "aux", "target": bool(getattr(self, "__harness_target__", False)),
+            target = bool(getattr(self, "__harness_target__", False))
+            _write({"event": "aux", "target": target,
                     "k": k, "hidden": hidden, "tokens": tokens, "last_is_final": last_is_final})
+            if target and tokens:
+                _write(_captures(aux_hidden_states, input_ids, logits_metadata))
         return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states,
                         *args, **kwargs)
 
     cls.forward = forward
+
+
+def _captures(aux, input_ids, batch) -> dict[str, Any]:
+    """The ``captures`` record of one target forward (module docstring)."""
+    import torch
+
+    packed = torch.cat(list(aux), dim=-1) if isinstance(aux, (list, tuple)) else aux
+    mode = batch.forward_mode
+    pools = [int(i) for i in batch.req_pool_indices.tolist()]
+    positions = [int(p) for p in batch.positions.tolist()]
+    record: dict[str, Any] = {"event": "captures", "mode": mode.name,
+                              "input_ids": [int(t) for t in input_ids.tolist()], "positions": positions,
+                              "ancestors": None}
+    if mode.is_target_verify():
+        spec = batch.spec_info
+        n = int(getattr(spec, "draft_token_num", 0) or len(positions) // max(len(pools), 1))
+        lengths = [n] * len(pools)
+        mask = getattr(spec, "custom_mask", None)
+        record["ancestors"] = _tree_ancestors(mask, positions, n, len(pools))
+        record["mask_size"] = None if mask is None else int(mask.numel())
+    elif mode.is_extend():
+        lengths = [int(x) for x in (batch.extend_seq_lens_cpu or batch.extend_seq_lens.tolist())]
+    else:  # decode: one token a request
+        lengths = [1] * len(pools)
+    record["segments"] = [list(x) for x in zip(pools, lengths)]
+    record["rows"] = packed.float().tolist()
+    return record
+
+
+def _tree_ancestors(mask, positions: list[int], n: int, bs: int) -> list[list[int]] | None:
+    """Per verify row, the rows of its request's segment it attends to (itself included),
+    from the FULL_MASK tree mask: request ``i``'s block is ``n x (prefix_i + n)``, row
+    major, its prefix ``prefix_i`` the segment's first position (the buffer may be
+    longer). None without a mask, or when it does not read as that layout: every row
+    attends to itself and to row 0, whose only draft row is itself."""
+    if mask is None:
+        return None
+    flat = mask.reshape(-1).tolist()
+    out: list[list[int]] = []
+    offset = 0
+    for i in range(bs):
+        prefix = positions[i * n]
+        width = prefix + n
+        if offset + n * width > len(flat):
+            return None
+        for r in range(n):
+            row = flat[offset + r * width: offset + (r + 1) * width]
+            path = [c for c in range(n) if row[prefix + c]]
+            if r not in path or 0 not in path or (r == 0 and path != [0]):
+                return None
+            out.append(path)
+        offset += n * width
+    return out
 
 
 def _wrap_draft(module, class_name: str) -> None:

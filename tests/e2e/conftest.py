@@ -52,3 +52,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if out:
         with open(out, "w") as f:
             json.dump([{"key": k, "what": w, "seconds": round(s, 2)} for k, w, s in _TIMINGS], f, indent=1)
+
+
+@pytest.fixture(scope="session")
+def feature_runs(e2e_runs, tmp_path_factory):
+    """The return-aux tier's runs (``harness.e2e.features``), through the same driver
+    session as the speculative configurations."""
+    from harness.e2e.features import FeatureRuns
+
+    return FeatureRuns(e2e_runs.session, tmp_path_factory.mktemp("features"))

@@ -166,6 +166,18 @@ def test_pin_cache_locs_gets_a_cpu_branch():
     assert out.dtype == torch.int64 and out.tolist() == [10, 11, 12]
 
 
+def test_parallel_state_turns_pynccl_off_over_gloo():
+    module = _module("fake.parallel_state", """
+        def init_model_parallel_group(group_ranks, local_rank, backend, use_pynccl=None, group_name=None):
+            return backend, use_pynccl, group_name
+    """)
+    sglang_patches.patch_parallel_state(module)
+    assert module.init_model_parallel_group([[0, 1]], 0, "gloo", group_name="tp") == ("gloo", False, "tp")
+    # what a caller chose, and another backend, stay as they were
+    assert module.init_model_parallel_group([[0, 1]], 0, "gloo", use_pynccl=True) == ("gloo", True, None)
+    assert module.init_model_parallel_group([[0, 1]], 0, backend="nccl") == ("nccl", None, None)
+
+
 # ---- the sgl_kernel stand-in, in fresh interpreters ---------------------------------
 
 STANDIN_PROBE = """
@@ -278,6 +290,8 @@ def test_install_in_a_fresh_process_fills_this_bases_gaps(engine_process):
     out = engine_process(__name__)
     pool = "sglang.srt.mem_cache.memory_pool"
     eagle = "sglang.srt.speculative.eagle_utils"
+    assert out["applied"].pop("sglang.srt.distributed.parallel_state") == [
+        "init_model_parallel_group: use_pynccl=False over gloo"]
     if layout().label == "0.5.13.post1":
         assert out["applied"] == {
             eagle: ["sgl_build_tree_kernel_efficient", "verify_tree_greedy_func"],

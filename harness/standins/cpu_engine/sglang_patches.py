@@ -22,6 +22,15 @@ from the module's own code which gap it has, so one set serves both bases:
   interpreter cannot run on raw addresses: ``kv_copy.TiledCopyLauncher``. 0.5.23 calls
   sgl-kernel's ``copy_all_layer_kv_cache_cpu`` there instead (the stand-in module).
 
+- ``distributed.parallel_state`` (both bases): ``init_model_parallel_group`` turns
+  pynccl on whenever the caller leaves ``use_pynccl`` unset (not on NPU/XPU), and
+  ``PyNcclCommunicator`` then enters ``torch.cuda.device("cpu")``, which raises at TP > 1
+  (0.5.23 ``parallel_state.py:2180-2185``, ``pynccl.py:116``). A CPU build of torch has
+  no libnccl, so pynccl disables itself there before that line; the CUDA build installed
+  here has one. The wrapper passes ``use_pynccl=False`` for a gloo group; the group's
+  ``all_reduce`` on CPU tensors is then ``torch.distributed.all_reduce`` over gloo, as
+  SGLang's CPU path has it (``parallel_state.py:695-699``).
+
 A hook that finds none of the gaps it knows raises, naming the module: the stand-in no
 longer matches that SGLang, and running on would hide it.
 """
@@ -141,10 +150,33 @@ def patch_memory_pool(module: ModuleType) -> None:
     _done(module, applied)
 
 
+def patch_parallel_state(module: ModuleType) -> None:
+    import functools
+    import inspect
+
+    applied: list[str] = []
+    original = _own(module, "init_model_parallel_group")
+    if original is not None and "use_pynccl" in inspect.signature(original).parameters:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def init_model_parallel_group(*args, **kwargs):
+            bound = signature.bind_partial(*args, **kwargs)
+            if bound.arguments.get("backend") == "gloo" and bound.arguments.get("use_pynccl") is None:
+                kwargs = dict(bound.arguments, use_pynccl=False)
+                return original(**kwargs)
+            return original(*args, **kwargs)
+
+        module.init_model_parallel_group = init_model_parallel_group
+        applied.append("init_model_parallel_group: use_pynccl=False over gloo")
+    _done(module, applied)
+
+
 HOOKS = {
     f"{_SRT}.speculative.eagle_utils": patch_eagle_utils,
     f"{_SRT}.speculative.triton_ops.cache_locs": patch_cache_locs,
     f"{_SRT}.mem_cache.memory_pool": patch_memory_pool,
+    f"{_SRT}.distributed.parallel_state": patch_parallel_state,
 }
 
 

@@ -1,0 +1,146 @@
+"""The return-aux tier (SGLang 0.5.23): what ``--enable-return-aux-hidden-states`` hands a
+draft trainer equals what transformers computes (``harness.e2e.features``).
+
+Per configuration (a family, the last layer's side of the final norm, the TP size), one
+Engine with the radix cache on and ``chunked_prefill_size = 8``; every returned row is
+compared whole (all K slots) with transformers' ``output_hidden_states`` on the request's
+own token sequence:
+
+- ``test_prompt_rows``: a batch of prompts of different lengths (one extend forward):
+  a row per prompt token, each equal to transformers';
+- ``test_generated_rows``: every request's rows of its generated tokens (decode forwards),
+  equal to transformers' at their positions;
+- ``test_chunked_prompt_every_row`` (strict xfail): a prompt prefilled in three chunks
+  gets a row per prompt token. SGLang keeps the last chunk's rows only;
+  ``test_chunked_prompt_last_chunk`` says exactly that and checks the rows it keeps;
+- ``test_cached_prefix_rows``: a prompt whose first tokens are in the radix cache gets no
+  rows for them (``meta_info["cached_tokens"]`` of them), and its other prompt rows
+  equal transformers' at their positions.
+
+The prompt-row tests check prompt rows only and ``test_generated_rows`` the rows of the
+generated tokens of every request, so a disagreement in decode forwards
+(``features.KNOWN``) is one strict xfail, not four.
+
+Guards: the patches that make the captures of a family's forward hold these values on
+0.5.23 (its survey bugs, ``harness.standins.models``: the last layer's capture, a wrong
+capture expression, a missing setter), and ``final-layer-capture`` for ``post_norm``
+(the server argument it adds).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.e2e import features
+from harness.e2e.features import FEATURE_CASES, FeatureCase, compare
+
+pytestmark = [pytest.mark.e2e, pytest.mark.bases("0.5.23")]
+
+# Survey bugs whose patch changes what this tier returns on 0.5.23: C (the last layer's
+# capture), X and E (gemma3's capture expression), U (no setter: the engine refuses).
+VALUE_BUGS = ("C", "X", "E", "U")
+
+
+def _guards(case: FeatureCase) -> list[str]:
+    from harness.standins.models import specs
+
+    spec = specs().get(features.family(case.family).spec)
+    patches = set()
+    if spec is not None:
+        bugs = spec.bugs()
+        wanted = VALUE_BUGS + (("R",) if case.method == "DFLASH" else ())  # R: no DFlash setter
+        patches = {spec.patch_for(b) for b in wanted if b in bugs} - {None}
+    if case.capture == "post_norm":
+        patches.add(features.FINAL_LAYER_CAPTURE)
+    return sorted(patches)
+
+
+def _params(rows: str | None = None):
+    """One param per configuration, guarded as ``_guards`` says, or a strict xfail where
+    SGLang is known to disagree with transformers on these rows (``features.KNOWN``)."""
+    out = []
+    for case in FEATURE_CASES:
+        known = features.known_failure(case, rows) if rows else None
+        no_cache = features.NO_PREFIX_CACHE.get(case.family) if rows == "cached" else None
+        if no_cache:  # a skip guards nothing
+            marks = [pytest.mark.skip(reason=f"{case.key}: {no_cache}")]
+        elif known:
+            marks = [pytest.mark.xfail(strict=True, reason=known)]
+        else:
+            marks = [pytest.mark.guards(p) for p in _guards(case)]
+        out.append(pytest.param(case, id=case.key, marks=marks))
+    return out
+
+
+def _run(feature_runs, case: FeatureCase):
+    return feature_runs.get(case)
+
+
+@pytest.mark.parametrize("case", _params("prompt"))
+def test_prompt_rows(feature_runs, case):
+    run = _run(feature_runs, case)
+    for i, req in enumerate(run.stage("mixed")):
+        n = len(req.prompt)
+        assert req.meta.get("cached_tokens", 0) == 0, f"{case.key} mixed[{i}]: {req.meta}"
+        assert req.rows.shape[0] == len(req.sequence), (
+            f"{case.key} mixed[{i}]: {req.rows.shape[0]} rows for {n} prompt + "
+            f"{len(req.output_ids) - 1} generated tokens")
+        want = run.expected(req)
+        problem = compare(req.rows[:n], want[:n], run)
+        assert problem is None, f"{case.key} mixed[{i}] prompt rows (prompt of {n}): {problem}"
+
+
+@pytest.mark.parametrize("case", _params("generated"))
+def test_generated_rows(feature_runs, case):
+    run = _run(feature_runs, case)
+    for req in run.requests:
+        g = len(req.output_ids) - 1
+        assert g == features.MAX_NEW_TOKENS - 1 and req.rows.shape[0] >= g, (
+            f"{case.key} {req.stage}: {req.rows.shape[0]} rows, {len(req.output_ids)} tokens generated")
+        want = run.expected(req)
+        problem = compare(req.rows[-g:], want[-g:], run)
+        assert problem is None, f"{case.key} {req.stage} rows of the generated tokens: {problem}"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.key, marks=pytest.mark.xfail(
+    strict=True, reason=features.CHUNKED_ROWS_DROPPED)) for c in FEATURE_CASES])
+def test_chunked_prompt_every_row(feature_runs, case):
+    run = _run(feature_runs, case)
+    (req,) = run.stage("chunked")
+    n, g = len(req.prompt), len(req.output_ids) - 1
+    assert req.rows.shape[0] == n + g, (
+        f"{case.key}: {req.rows.shape[0] - g} rows for a prompt of {n} prefilled in chunks of {features.CHUNK}")
+    problem = compare(req.rows[:n], run.expected(req)[:n], run)
+    assert problem is None, f"{case.key} chunked prompt: {problem}"
+
+
+@pytest.mark.parametrize("case", _params("chunked"))
+def test_chunked_prompt_last_chunk(feature_runs, case):
+    """What SGLang returns for a chunked prompt: the rows of its last chunk (then the
+    generated tokens'), each equal to transformers' at its position."""
+    run = _run(feature_runs, case)
+    (req,) = run.stage("chunked")
+    n, g = len(req.prompt), len(req.output_ids) - 1
+    last_chunk = n - features.CHUNK * ((n - 1) // features.CHUNK)
+    assert req.rows.shape[0] == last_chunk + g, (
+        f"{case.key}: {req.rows.shape[0] - g} prompt rows for a prompt of {n} in chunks of {features.CHUNK}; "
+        f"expected the last chunk's {last_chunk}")
+    problem = compare(req.rows[:last_chunk], run.expected(req)[n - last_chunk:n], run)
+    assert problem is None, f"{case.key} chunked prompt, rows from position {n - last_chunk}: {problem}"
+
+
+@pytest.mark.parametrize("case", _params("cached"))
+def test_cached_prefix_rows(feature_runs, case):
+    """A prompt sharing its first ``SHARED`` tokens with an earlier request: SGLang
+    computes (and returns) no rows for the cached prefix, ``cached_tokens`` says how many;
+    the prompt rows it returns equal transformers' at their positions."""
+    run = _run(feature_runs, case)
+    (req,) = run.stage("cached")
+    n, g = len(req.prompt), len(req.output_ids) - 1
+    cached = int(req.meta.get("cached_tokens", 0))
+    assert cached == features.SHARED, f"{case.key}: cached_tokens {cached}, expected a radix hit of {features.SHARED}"
+    assert req.rows.shape[0] == n - cached + g, (
+        f"{case.key}: {req.rows.shape[0] - g} prompt rows for a prompt of {n} with {cached} cached; "
+        f"expected {n - cached}")
+    problem = compare(req.rows[:n - cached], run.expected(req)[cached:n], run)
+    assert problem is None, f"{case.key} prompt rows after the cached prefix: {problem}"
