@@ -351,15 +351,6 @@ class FeatureRuns:
 
 # ---------------------------------------------------------------- what runs, what fails
 
-# SGLang 0.5.23 keeps the rows of a chunked prompt's last chunk only (every family).
-CHUNKED_ROWS_DROPPED = (
-    "SGLang 0.5.23 returns the rows of a chunked prompt's last chunk only: "
-    "managers/scheduler_components/batch_result_processor.py:308-312 commits a request's "
-    "output only once no middle chunk is in flight (inflight_middle_chunks <= 0), and "
-    "_append_prefill_hidden_states (334-341, store=...) keeps a forward's rows only then, so "
-    "the rows every earlier chunk computed are dropped (logprobs have "
-    "_apply_chunked_prefill_logprobs for that case, 433-440; hidden states nothing)")
-
 # The triton backend's decode window holds one token fewer than its extend window.
 TRITON_DECODE_WINDOW = (
     "SGLang 0.5.23's triton attention backend attends sliding_window_size + 1 tokens in "

@@ -10,9 +10,9 @@ own token sequence:
   a row per prompt token, each equal to transformers';
 - ``test_generated_rows``: every request's rows of its generated tokens (decode forwards),
   equal to transformers' at their positions;
-- ``test_chunked_prompt_every_row`` (strict xfail): a prompt prefilled in three chunks
-  gets a row per prompt token. SGLang keeps the last chunk's rows only;
-  ``test_chunked_prompt_last_chunk`` says exactly that and checks the rows it keeps;
+- ``test_chunked_prompt_every_row``: a prompt prefilled in three chunks gets a row per
+  prompt token, each equal to transformers'. Pristine 0.5.23 kept the last chunk's rows
+  only (``CHUNKED_ROWS`` guards the series' fix);
 - ``test_cached_prefix_rows``: a prompt whose first tokens are in the radix cache gets no
   rows for them (``meta_info["cached_tokens"]`` of them), and its other prompt rows
   equal transformers' at their positions.
@@ -24,7 +24,8 @@ generated tokens of every request, so a disagreement in decode forwards
 Guards: the patches that make the captures of a family's forward hold these values on
 0.5.23 (its survey bugs, ``harness.standins.models``: the last layer's capture, a wrong
 capture expression, a missing setter), and ``final-layer-capture`` for ``post_norm``
-(the server argument it adds).
+(the server argument it adds); the chunked prompt's rows also
+``return-aux-chunked-prefill-rows``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.bases("0.5.23")]
 # Survey bugs whose patch changes what this tier returns on 0.5.23: C (the last layer's
 # capture), X and E (gemma3's capture expression), U (no setter: the engine refuses).
 VALUE_BUGS = ("C", "X", "E", "U")
+# The series' fix for the rows of every chunk but a chunked prompt's last.
+CHUNKED_ROWS = "return-aux-chunked-prefill-rows"
 
 
 def _guards(case: FeatureCase) -> list[str]:
@@ -55,7 +58,7 @@ def _guards(case: FeatureCase) -> list[str]:
     return sorted(patches)
 
 
-def _params(rows: str | None = None):
+def _params(rows: str | None = None, extra_guards: tuple[str, ...] = ()):
     """One param per configuration, guarded as ``_guards`` says, or a strict xfail where
     SGLang is known to disagree with transformers on these rows (``features.KNOWN``)."""
     out = []
@@ -67,7 +70,7 @@ def _params(rows: str | None = None):
         elif known:
             marks = [pytest.mark.xfail(strict=True, reason=known)]
         else:
-            marks = [pytest.mark.guards(p) for p in _guards(case)]
+            marks = [pytest.mark.guards(p) for p in sorted({*_guards(case), *extra_guards})]
         out.append(pytest.param(case, id=case.key, marks=marks))
     return out
 
@@ -102,9 +105,10 @@ def test_generated_rows(feature_runs, case):
         assert problem is None, f"{case.key} {req.stage} rows of the generated tokens: {problem}"
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.key, marks=pytest.mark.xfail(
-    strict=True, reason=features.CHUNKED_ROWS_DROPPED)) for c in FEATURE_CASES])
+@pytest.mark.parametrize("case", _params("chunked", (CHUNKED_ROWS,)))
 def test_chunked_prompt_every_row(feature_runs, case):
+    """A prompt of 19 tokens prefilled in chunks of 8, 8 and 3: a row per prompt token
+    (then one per generated token but the last), each equal to transformers'."""
     run = _run(feature_runs, case)
     (req,) = run.stage("chunked")
     n, g = len(req.prompt), len(req.output_ids) - 1
@@ -112,21 +116,6 @@ def test_chunked_prompt_every_row(feature_runs, case):
         f"{case.key}: {req.rows.shape[0] - g} rows for a prompt of {n} prefilled in chunks of {features.CHUNK}")
     problem = compare(req.rows[:n], run.expected(req)[:n], run)
     assert problem is None, f"{case.key} chunked prompt: {problem}"
-
-
-@pytest.mark.parametrize("case", _params("chunked"))
-def test_chunked_prompt_last_chunk(feature_runs, case):
-    """What SGLang returns for a chunked prompt: the rows of its last chunk (then the
-    generated tokens'), each equal to transformers' at its position."""
-    run = _run(feature_runs, case)
-    (req,) = run.stage("chunked")
-    n, g = len(req.prompt), len(req.output_ids) - 1
-    last_chunk = n - features.CHUNK * ((n - 1) // features.CHUNK)
-    assert req.rows.shape[0] == last_chunk + g, (
-        f"{case.key}: {req.rows.shape[0] - g} prompt rows for a prompt of {n} in chunks of {features.CHUNK}; "
-        f"expected the last chunk's {last_chunk}")
-    problem = compare(req.rows[:last_chunk], run.expected(req)[n - last_chunk:n], run)
-    assert problem is None, f"{case.key} chunked prompt, rows from position {n - last_chunk}: {problem}"
 
 
 @pytest.mark.parametrize("case", _params("cached"))
