@@ -247,9 +247,13 @@ class TestQwen3NextAuxPacker(CustomTestCase):
     def test_qwen4_exp_reports_no_width(self):
         # Its forward returns the captures only on an idle batch: no decode
         # graph buffer for it to leave unfilled.
-        holder = _holder(Qwen4ExpForConditionalGeneration, _model(Qwen4ExpVLModel))
-        holder.set_dflash_layers_to_capture([0, 2, NUM_LAYERS - 1])
-        self.assertTrue(holder.capture_aux_hidden_states)
+        # Captures set on the holder and model directly, as a setter would (its own
+        # setters may refuse ids: its decoder layers write no captures).
+        holder = _holder(
+            Qwen4ExpForConditionalGeneration,
+            _model(Qwen4ExpVLModel, [1, 3, NUM_LAYERS]),
+        )
+        holder.capture_aux_hidden_states = True
         dflash = types.SimpleNamespace(is_dflash_family=lambda: True)
         self.assertEqual(
             resolve_aux_hidden_states_width(
