@@ -77,7 +77,7 @@ e2e: $(TOOLS)/.stamp ## real-engine tier: sglang.Engine on the CPU, EAGLE3/DFlas
 ablation: $(TOOLS)/.stamp ## run each regression test without its patch (must fail) and with it
 	$(APPLY)
 	$(TOX) -q -e ablation -- $(ARGS)
-bench: $(TOOLS)/.stamp ## memory benchmark: list+cat vs packer
+bench: $(TOOLS)/.stamp ## memory benchmark: list+cat vs packer (BASE=0.5.23 ARGS=--engine: capture cost in the Engine)
 	$(APPLY)
 	$(TOX) -q -e bench -- $(ARGS)
 bench-suite: $(TOOLS)/.stamp ## time make test (ARGS=--ablation: and the ablation); SGLang imports per process

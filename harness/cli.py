@@ -24,7 +24,7 @@ COMMANDS = {
     "test-gpu": ("harness.suites.gpu", "run the suites on CUDA/NCCL"),
     "e2e": ("harness.suites.e2e", "the real-engine tier: SGLang's own Engine on the CPU (tests/e2e)"),
     "ablation": ("harness.suites.ablation", "run each regression test without its patch (must fail) and with it"),
-    "bench": ("harness.memory.bench", "memory benchmark: list+cat vs packer"),
+    "bench": ("harness.memory.bench", "memory benchmark: list+cat vs packer (--engine: capture cost in the Engine)"),
     "bench-suite": ("harness.suites.budget", "time the suites (and the ablation); count SGLang imports"),
     "docker-base": ("harness.docker.base", "build the Debian base image locally (debootstrap)"),
     "docker-test": ("harness.docker.image", "build the CPU image and run the suites inside"),

@@ -10,7 +10,11 @@ which sends one JSON command a line on fd R and reads one JSON answer a line on 
   ``env``: variables set for this Engine's processes, e.g. SGLang's CPU thread binding)
 - ``{"op": "generate", "prompt": str | [str], "sampling": {...}}`` -> ``outputs``; or
   ``"input_ids": [int] | [[int]]`` instead of a prompt, and ``"return_hidden_states":
-  true`` to keep each output's ``meta_info["hidden_states"]``
+  true`` to keep each output's ``meta_info["hidden_states"]`` (with ``"hidden_summary":
+  true`` only their row count, width and a digest of their float32 bytes: the benchmark's)
+- ``{"op": "rss"}`` -> the largest peak RSS (``VmHWM``) among the Engine's processes
+- ``{"op": "pause"}`` / ``{"op": "resume"}``: SIGSTOP / SIGCONT the Engine's processes (an
+  idle scheduler spins in its event loop; a benchmark stops the Engines waiting their turn)
 - ``{"op": "stop"}``: the Engine's own ``shutdown()``; ``{"op": "exit"}``.
 
 The Engine runs here, not in the pytest process: a scheduler that fails sends SIGQUIT
@@ -125,6 +129,38 @@ class _Multiprocessing:
         return getattr(multiprocessing, name)
 
 
+def hidden_summary_of(hidden_states: Any) -> dict[str, Any]:
+    """``meta_info["hidden_states"]`` in brief: rows (a prefill appends a list of rows,
+    a decode step one row), their width, and the sha256 of the rows as float32 bytes."""
+    import hashlib
+    import struct
+
+    rows: list[list[float]] = []
+    for entry in hidden_states or []:
+        if entry and isinstance(entry[0], list):
+            rows.extend(entry)
+        else:
+            rows.append(entry)
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(struct.pack(f"<{len(row)}f", *row))
+    widths = sorted({len(r) for r in rows})
+    return {"hidden_rows": len(rows), "hidden_width": widths[0] if len(widths) == 1 else widths,
+            "hidden_sha256": digest.hexdigest()}
+
+
+def _vm_hwm(pid: int) -> int | None:
+    """A process's peak resident set (``VmHWM``), bytes; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _forkserver_pid() -> int | None:
     from multiprocessing import forkserver
 
@@ -183,10 +219,10 @@ class Driver:
         return {"start_s": round(time.monotonic() - t0, 2)}
 
     def generate(self, prompt: Any, sampling: dict[str, Any], input_ids: Any = None,
-                 return_hidden_states: bool = False) -> dict[str, Any]:
+                 return_hidden_states: bool = False, hidden_summary: bool = False) -> dict[str, Any]:
         """One ``Engine.generate``: text ``prompt`` or token ``input_ids`` (one request
         or a list); with ``return_hidden_states`` each output keeps its
-        ``meta_info["hidden_states"]``."""
+        ``meta_info["hidden_states"]`` (``hidden_summary``: its ``hidden_summary``)."""
         if self.engine is None:
             raise RuntimeError("no engine is running")
         t0 = time.monotonic()
@@ -198,6 +234,7 @@ class Driver:
         if return_hidden_states:
             kwargs["return_hidden_states"] = True
         out = self.engine.generate(**kwargs)
+        elapsed = time.monotonic() - t0
         outs = out if isinstance(out, list) else [out]
         keep = []
         for o in outs:
@@ -206,10 +243,36 @@ class Driver:
                     if k.startswith("spec_") or k in ("completion_tokens", "prompt_tokens", "finish_reason",
                                                       "cached_tokens")}
             record = {"output_ids": list(o.get("output_ids") or []), "text": o.get("text"), "meta": meta}
-            if return_hidden_states:
+            if return_hidden_states and hidden_summary:
+                record.update(hidden_summary_of(info.get("hidden_states")))
+            elif return_hidden_states:
                 record["hidden_states"] = info.get("hidden_states")
             keep.append(record)
-        return {"outputs": keep, "generate_s": round(time.monotonic() - t0, 2)}
+        return {"outputs": keep, "generate_s": round(elapsed, 4)}
+
+    def _engine_processes(self) -> list:
+        """The processes the Engine runs in: the driver's descendants but its forkserver."""
+        import psutil
+
+        skip = _forkserver_pid() if self.method == "forkserver" else None
+        return [p for p in psutil.Process().children(recursive=True) if p.pid != skip]
+
+    def signal_engine(self, signum: int) -> dict[str, Any]:
+        procs = self._engine_processes()
+        for p in procs:
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+        return {"processes": len(procs)}
+
+    def rss(self) -> dict[str, Any]:
+        """The largest peak RSS (``VmHWM``, since each started) among the processes the
+        Engine runs in (the driver's descendants but its forkserver: the scheduler and
+        the detokenizer), and the driver's own."""
+        peaks = [_vm_hwm(p.pid) for p in self._engine_processes()]
+        return {"engine_peak_rss_bytes": max([p for p in peaks if p] or [0]),
+                "driver_peak_rss_bytes": _vm_hwm(os.getpid())}
 
     def abandon(self) -> None:
         """After a failed command: shut the engine down, and kill whatever a failed start
@@ -253,7 +316,13 @@ def _serve(cmd_fd: int, resp_fd: int) -> int:
                                       cmd.get("env"))
             elif op == "generate":
                 result = driver.generate(cmd.get("prompt"), cmd["sampling"], cmd.get("input_ids"),
-                                         bool(cmd.get("return_hidden_states")))
+                                         bool(cmd.get("return_hidden_states")), bool(cmd.get("hidden_summary")))
+            elif op == "rss":
+                result = driver.rss()
+            elif op in ("pause", "resume"):
+                import signal
+
+                result = driver.signal_engine(signal.SIGSTOP if op == "pause" else signal.SIGCONT)
             elif op == "stop":
                 result = driver.stop()
             elif op == "exit":

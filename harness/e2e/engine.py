@@ -115,6 +115,7 @@ class Session:
     _buf: bytes = b""
     _log: Path | None = None
     _starts: int = 0
+    last_generate_s: float = 0.0
 
     # -- process ---------------------------------------------------------------------
 
@@ -285,10 +286,12 @@ class Session:
 
     def generate(self, prompt: str | list[str] | None, sampling: dict[str, Any] | list[dict[str, Any]],
                  timeout: float = GENERATE_TIMEOUT, *, input_ids: list | None = None,
-                 return_hidden_states: bool = False) -> list[dict[str, Any]]:
+                 return_hidden_states: bool = False, hidden_summary: bool = False) -> list[dict[str, Any]]:
         """One ``Engine.generate`` of ``prompt`` (text) or ``input_ids`` (tokens; one
         request or a list of them; ``sampling`` one for all or one each), each output's
-        ``meta_info["hidden_states"]`` kept with ``return_hidden_states``."""
+        ``meta_info["hidden_states"]`` kept with ``return_hidden_states`` (with
+        ``hidden_summary``: only ``hidden_rows``, ``hidden_width`` and ``hidden_sha256``).
+        ``last_generate_s``: the driver's wall time of the ``Engine.generate`` call."""
         if self.current is None:
             raise EngineError("no engine is running")
         cmd: dict[str, Any] = {"op": "generate", "prompt": prompt, "sampling": sampling}
@@ -296,6 +299,24 @@ class Session:
             cmd["input_ids"] = input_ids
         if return_hidden_states:
             cmd["return_hidden_states"] = True
+        if hidden_summary:
+            cmd["hidden_summary"] = True
         answer = self._call(cmd, timeout, "generate")
-        self.timings.append((self.current.key, "generate", float(answer.get("generate_s", 0.0))))
+        self.last_generate_s = float(answer.get("generate_s", 0.0))
+        self.timings.append((self.current.key, "generate", self.last_generate_s))
         return answer["outputs"]
+
+    def pause(self) -> None:
+        """Stop the Engine's processes (SIGSTOP) until ``resume()``: an idle SGLang
+        scheduler spins, taking cores from whatever else runs."""
+        self._call({"op": "pause"}, GENERATE_TIMEOUT, "pause the engine")
+
+    def resume(self) -> None:
+        self._call({"op": "resume"}, GENERATE_TIMEOUT, "resume the engine")
+
+    def rss(self) -> dict[str, int]:
+        """Peak RSS so far: ``engine_peak_rss_bytes`` (the largest of the Engine's
+        processes) and ``driver_peak_rss_bytes``."""
+        if self.current is None:
+            raise EngineError("no engine is running")
+        return self._call({"op": "rss"}, GENERATE_TIMEOUT, "read peak RSS")

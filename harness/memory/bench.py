@@ -4,6 +4,9 @@ Measured side by side in one run, per token count: peak bytes of each path over
 baseline (exact live-storage bytes on CPU, the CUDA allocator's peak on GPU), the
 ratio packer / list, and the bytes copied per forward (clone + copy_ + cat).
 Writes build/results/bench/memory.json and memory.md. Not a test: no thresholds.
+
+``--engine`` runs the capture-cost benchmark in SGLang's real Engine instead
+(``harness.e2e.bench``: pristine base vs series vs no capture, BASE=0.5.23).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as a whole model (default llama; '' skips)")
     p.add_argument("--model-hidden", type=int, default=1024,
                    help="hidden size of that tiny model (default 1024)")
+    from harness.e2e import bench as engine_bench
+
+    engine_bench.add_arguments(p)
 
 
 def _mib(n: int) -> str:
@@ -46,6 +52,10 @@ def _model_rows(args: argparse.Namespace, device: str) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine:
+        from harness.e2e import bench as engine_bench
+
+        return engine_bench.run(args)
     import torch
 
     from harness.memory.capture import capture_path
