@@ -70,7 +70,11 @@ def test_consistent_captures_pack_like_cat_and_trace_fullgraph(packer_cls):
             packer.append(x * 2)
         return packer.finalize()
 
-    torch._dynamo.reset()
-    compiled = torch.compile(pack, backend="eager", fullgraph=True)
-    assert torch.equal(compiled(*caps), torch.cat([c * 2 for c in caps], dim=-1))
-    assert torch.equal(pack(*caps), compiled(*caps))
+    # Dynamo is on only for this compile (the suites' rank processes run with it off).
+    with torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        compiled = torch.compile(pack, backend="eager", fullgraph=True)
+        got = compiled(*caps)
+        torch._dynamo.reset()
+    assert torch.equal(got, torch.cat([c * 2 for c in caps], dim=-1))
+    assert torch.equal(pack(*caps), got)
