@@ -102,7 +102,19 @@ def summarize(samples: Sequence[dict[str, Any]], rows: int, width: int) -> dict[
                   "rows_per_s": rows / med, "feature_mib_per_s": rows * width * 4 / 2**20 / med}
     ratios = {f"{a}/{b}": per[a]["rows_per_s"] / per[b]["rows_per_s"]
               for a, b in RATIOS if a in per and b in per}
-    return {"variants": per, "ratios": ratios}
+    # Paired: per round, the ratio of the two variants' rows/s in that round (the same
+    # few seconds of machine load), then the median over rounds; slow drift in the
+    # load cancels within a round, which the medians of wall times above do not.
+    by_round: dict[Any, dict[str, float]] = {}
+    for sample in samples:
+        if "round" in sample:
+            by_round.setdefault(sample["round"], {})[sample["variant"]] = sample["seconds"]
+    paired = {}
+    for a, b in RATIOS:
+        within = [r[b] / r[a] for r in by_round.values() if a in r and b in r]
+        if within:
+            paired[f"{a}/{b}"] = statistics.median(within)
+    return {"variants": per, "ratios": ratios, "paired_ratios": paired}
 
 
 def _mib(n: int | None) -> str:
@@ -133,8 +145,11 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "| ratio of rows/s | value |", "|---|---:|"]
     names = {"series/pristine": "b/a (series over pristine)", "pristine/no-capture": "a/c (pristine over no capture)",
              "series/no-capture": "b/c (series over no capture)"}
+    lines[-2:] = ["| ratio of rows/s | of the medians | paired (median of per-round ratios) |",
+                  "|---|---:|---:|"]
     for key, value in s["ratios"].items():
-        lines.append(f"| {names.get(key, key)} | {value:.3f} |")
+        pair = s.get("paired_ratios", {}).get(key)
+        lines.append(f"| {names.get(key, key)} | {value:.3f} | {'-' if pair is None else f'{pair:.3f}'} |")
     lines += ["", f"Same features: {report['same_features']}. Peak RSS: the largest VmHWM among each "
               "Engine's processes (the scheduler), since it started.",
               f"SGLang per variant: " + "; ".join(f"{v}: {p}" for v, p in report["provenance"].items())]

@@ -52,6 +52,19 @@ def test_summary_takes_medians_and_ratios_of_rows_per_second():
     assert out["variants"]["series"]["feature_mib_per_s"] == pytest.approx(500 * 768 * 4 / 2**20)
     assert out["ratios"] == pytest.approx({"series/pristine": 2.2 / 2.0, "pristine/no-capture": 1.0 / 2.2,
                                            "series/no-capture": 1.0 / 2.0})
+    assert "paired_ratios" in out and out["paired_ratios"] == {}  # no rounds given
+
+
+def test_paired_ratios_are_medians_of_per_round_ratios():
+    # Round 1 is slow for everyone (load): the paired ratio is unmoved by it.
+    secs = {0: {"pristine": 2.0, "series": 1.0, "no-capture": 1.0},
+            1: {"pristine": 8.0, "series": 4.0, "no-capture": 4.0},
+            2: {"pristine": 2.2, "series": 1.1, "no-capture": 1.0}}
+    samples = [{"variant": v, "round": r, "seconds": t} for r, vs in secs.items() for v, t in vs.items()]
+    out = bench.summarize(samples, rows=100, width=8)
+    assert out["paired_ratios"]["series/pristine"] == pytest.approx(2.0)
+    assert out["paired_ratios"]["pristine/no-capture"] == pytest.approx(0.5)
+    assert out["paired_ratios"]["series/no-capture"] == pytest.approx(1.0)
 
 
 def test_provenance_must_be_the_tree_each_variant_names(tmp_path):
