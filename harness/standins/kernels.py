@@ -66,13 +66,16 @@ def recording_flashinfer(fn: Callable) -> Callable:
 
 def op_body(fn: Callable, module: Any, name: str) -> Callable:
     """The Python body of ``module.name``, which SGLang registers as a torch custom op
-    (``register_custom_op``, eager: the module attribute is ``torch.ops.sglang.<name>``,
-    whose only kernel is the CUDA one, so a CPU tensor cannot go through it). The body
-    is the function object the op's kernel holds: found once by its module and name
-    among the live functions. ``fn`` itself when it is a plain function."""
+    (``register_custom_op``: the module attribute is ``torch.ops.sglang.<name>`` at the
+    pin, a caller of it in ``utils/custom_op.py`` on 0.5.23; the op's only kernel is the
+    CUDA one, so a CPU tensor cannot go through it). The body is the function object
+    the op's kernel holds: found once by its module and name among the live functions.
+    ``fn`` itself when it is that module's own plain function."""
+    import inspect
     import types
 
-    if type(fn) is types.FunctionType:
+    fn = inspect.unwrap(fn)  # 0.5.23's caller wraps the body (functools.wraps)
+    if type(fn) is types.FunctionType and fn.__module__ == module.__name__:
         return fn
     return _op_function(module.__name__, name)
 
@@ -84,7 +87,7 @@ def _op_function(module: str, name: str) -> Callable:
 
     found = [o for o in gc.get_objects()
              if type(o) is types.FunctionType and o.__module__ == module
-             and o.__name__ == name]
+             and o.__name__ == name and not hasattr(o, "__wrapped__")]
     if len(found) != 1:
         raise RuntimeError(f"{module}.{name}: {len(found)} Python bodies found, not 1")
     return found[0]
