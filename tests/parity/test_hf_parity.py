@@ -49,7 +49,7 @@ import torch
 
 from harness.parity import reference
 from harness.parity.families import BOTH_BASES, families
-from harness.parity.runner import ENV, INIT_FN, MODES, PRELOAD
+from harness.parity.runner import ENV, EXTEND_ONLY, INIT_FN, MODES, PRELOAD
 
 pytestmark = [pytest.mark.bases(*BOTH_BASES), pytest.mark.parity]
 
@@ -196,7 +196,7 @@ def _mode_params():
     """The later forwards' cases: every capture set, each forward of MODES (its check
     covers the final hidden states, the in-loop and the last-layer captures)."""
     for case_id, name, tp, set_name, fusion in CASES:
-        if set_name == "none":
+        if set_name == "none" or fusion in EXTEND_ONLY:  # runner.EXTEND_ONLY: why
             continue
         for mode in MODES:
             marks = _marks(families()[name], ("final", "in_loop", "last"), tp, set_name,
