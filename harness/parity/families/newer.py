@@ -103,7 +103,7 @@ FAMILIES.append(
         hf_final_norm="model.norm_f",
         # SGLang's NemotronHConfig takes the mixer's group count as ``mamba_n_groups``
         # (default 8; nemotron_h.py:643 builds MambaMixer2 with it) and sizes the mamba
-        # state by ``n_groups`` (configs/nemotron_h.py:431), which is what transformers
+        # state by ``n_groups`` (configs/nemotron_h.py:430), which is what transformers
         # writes: config.json carries both.
         config_json={"layers_block_type": list(_NEMOTRON_H_LAYERS),
                       "mtp_layers_block_type": ["attention", "moe"], "mamba_n_groups": 1},
