@@ -135,12 +135,12 @@ def run_case(checkpoint: str, prompts, tp: int, deepstack, fusions: Sequence[str
     import torch
 
     from harness.parity import runner
-    from harness.standins.kernels import fusion_mode, install_cpu_norm
+    from harness.standins.cpu_kernels import cuda_norm
+    from harness.standins.kernels import fusion_mode
 
     try:
         model_config, model = runner.load(checkpoint)
-        if tp > 1:
-            install_cpu_norm(model)
+        cuda_norm.install(model)
         num_layers = model_config.hf_text_config.num_hidden_layers
         orders = _orders(model)
     except Exception:

@@ -20,10 +20,15 @@ Everything here is SGLang's own code path on the CPU except what has no CPU path
   verify batch (built with SGLang's own ``build_tree_kernel_efficient`` and
   ``EagleVerifyInput``, run by the triton backend as SGLang's CPU engine verifies) and
   an idle batch (:data:`MODES`, :class:`Requests`);
-* at TP > 1 the norms take the CUDA kernels' aliasing (``fused_add_rmsnorm`` in place,
-  :func:`harness.standins.kernels.install_cpu_norm`), and ``fusion="flashinfer"``
-  switches SGLang's own fusion decision on with the CPU reference of FlashInfer's fused
-  all-reduce + residual + RMSNorm (:func:`harness.standins.kernels.fusion_mode`).
+* at every TP the norms run SGLang's CUDA path with the CUDA kernels' aliasing
+  (``fused_add_rmsnorm`` and ``gemma_fused_add_rmsnorm`` write their input and residual
+  in place: :mod:`harness.standins.cpu_kernels.cuda_norm`), and each case runs in the
+  aliasing variants of :data:`VARIANTS`: at TP > 1 CUDA's out-of-place custom
+  all-reduce (:func:`harness.standins.kernels.allreduce_mode`) and, for layers that
+  defer their all-reduce, SGLang's FlashInfer fusion, fused (the CPU reference of the
+  kernel) and declined (the real wrapper's fallback)
+  (:func:`harness.standins.kernels.fusion_mode`); which path each forward took is
+  recorded (``paths``) for the tests to assert.
 
 :func:`run_family` returns plain data (tensors, strings) for the controller to compare
 with transformers (:mod:`harness.parity.reference`). Stdlib-only at import time.
@@ -67,6 +72,32 @@ def init(rank: int, world_size: int, **kwargs: Any):
     from harness.ranks.sglang import init_sglang_distributed
 
     return init_sglang_distributed(rank, world_size, **kwargs)
+
+
+# The aliasing variants a case runs in (``harness.parity.families.Family.variants``):
+# name -> (fusion mode, all-reduce mode) of harness.standins.kernels.
+# * "off": no fusion; the CPU all-reduce, in place (NCCL's semantics);
+# * "custom_ar": no fusion; CUDA's custom all-reduce, out of place (a fresh output, the
+#   input left as it was), which SGLang picks on CUDA for inputs of these sizes;
+# * "flashinfer": SGLang's FlashInfer fusion decision says fuse and the CPU reference of
+#   the fused all-reduce + residual + RMSNorm runs (a fresh residual_out);
+# * "declined": the same decision, and the real FlashInfer wrapper declines
+#   ((None, None)), so SGLang's own fallback runs.
+VARIANTS = {
+    "off": ("off", "inplace"),
+    "custom_ar": ("off", "custom"),
+    "flashinfer": ("flashinfer", "inplace"),
+    "declined": ("flashinfer_declined", "inplace"),
+}
+# The variants that run the extend alone, not the later forwards (MODES). What they
+# change is the all-reduce's aliasing and the fused norm's fallback, which an extend of
+# every capture set already takes in every layer and at the final norm; the decode and
+# verify forwards run the same layers over the same code paths with other attention
+# metadata, and the verify forward (the interpreted triton backend) is most of the
+# tier's cost (about 0.6 s a forward, 1 s for MLA), so running them again per variant
+# would add about half the tier's time for no path the extend misses. "off" and
+# "flashinfer" (the pre-existing variants) keep every forward.
+EXTEND_ONLY = ("custom_ar", "declined")
 
 
 # ------------------------------------------------------------------ loading
@@ -494,8 +525,13 @@ def forward(model, forward_batch) -> dict[str, Any]:
     """One forward of ``forward_batch`` (:class:`Requests`), as the model runner calls the
     model; what reached the logits processor and what it handed on
     (``next_token_logits``, and ``hidden_states``: the packed aux captures for every
-    token, what the draft model receives)."""
+    token, what the draft model receives), and ``paths``: what the stand-ins counted
+    during it (:data:`harness.standins.kernels.PATHS`)."""
+    import collections
+
     import torch
+
+    from harness.standins import kernels
 
     lps = _logits_processors(model)
     sig = inspect.signature(type(lps[0]).forward)
@@ -514,6 +550,7 @@ def forward(model, forward_batch) -> dict[str, Any]:
 
     handles = [lp.register_forward_pre_hook(hook, with_kwargs=True) for lp in lps]
     fb = forward_batch
+    before = collections.Counter(kernels.PATHS)
     try:
         with torch.no_grad(), _forward_context(fb.attn_backend):
             out = model(fb.input_ids, fb.positions, fb)
@@ -528,6 +565,7 @@ def forward(model, forward_batch) -> dict[str, Any]:
         "num_aux": seen["num_aux"],
         "aux": None if aux is None or seen["num_aux"] == 0 else aux.detach().clone(),
         "logits": out.next_token_logits.detach().clone(),
+        "paths": kernels.paths_since(before),
     }
 
 
@@ -588,12 +626,14 @@ def run_case(checkpoint: str, prompts, tp: int, capture: dict, fusions: Sequence
              attention: str = "torch_native", setup: str = "",
              then: Sequence[dict] = (), appended: Sequence[Sequence[int]] = (),
              modes: Sequence[str] = ()) -> list:
-    """Build the model, request ``capture`` ({"eagle3": ids} / {"dflash": ids} / {}), run
-    the extend of ``prompts`` and then ``modes`` over its cache (:func:`run_requests`) in
-    each fusion mode; one result dict per fusion (an ``error`` string on failure).
+    """Build the model (its norms on SGLang's CUDA path, in place:
+    :mod:`harness.standins.cpu_kernels.cuda_norm`), request ``capture`` ({"eagle3": ids}
+    / {"dflash": ids} / {}), run the extend of ``prompts`` and then ``modes`` over its
+    cache (:func:`run_requests`) in each aliasing variant of ``fusions`` (names of
+    :data:`VARIANTS`); one result dict per variant (an ``error`` string on failure).
 
     ``then``: further requests on the same loaded model, each made through the model
-    runner's function again and run in every fusion mode after ``capture``'s, their
+    runner's function again and run in every variant after ``capture``'s, their
     results following in order (the ``post_norm`` set after the ``eagle3`` one: the
     same ids, so a model load less per family and TP).
 
@@ -601,7 +641,8 @@ def run_case(checkpoint: str, prompts, tp: int, capture: dict, fusions: Sequence
     model is built (e.g. installing the CPU version of a kernel that has no CPU path)."""
     import time
 
-    from harness.standins.kernels import fusion_mode, install_cpu_norm
+    from harness.standins.cpu_kernels import cuda_norm
+    from harness.standins.kernels import allreduce_mode, fusion_mode
 
     requests = [capture, *then]
     t0 = time.monotonic()
@@ -612,8 +653,7 @@ def run_case(checkpoint: str, prompts, tp: int, capture: dict, fusions: Sequence
             resolve_callable(setup)()
             _SETUP_DONE.add(setup)
         model_config, model = load(checkpoint)
-        if tp > 1:
-            install_cpu_norm(model)
+        cuda_norm.install(model)
     except Exception:
         err = traceback.format_exc()
         return [{"error": err} for _ in requests for _ in fusions]
@@ -627,11 +667,12 @@ def run_case(checkpoint: str, prompts, tp: int, capture: dict, fusions: Sequence
             err = traceback.format_exc()
             results += [{"error": err} for _ in fusions]
             continue
-        for fusion in fusions:
+        for variant in fusions:
+            fusion, all_reduce = VARIANTS[variant]
             try:
-                with fusion_mode(fusion):
+                with fusion_mode(fusion), allreduce_mode(all_reduce):
                     res = run_requests(model, model_config, prompts, tp, attention,
-                                       appended, modes)
+                                       appended, () if variant in EXTEND_ONLY else modes)
                 res["seconds"]["load"] = load_seconds
                 res["layers_to_capture"] = ltc
                 results.append(res)

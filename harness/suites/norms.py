@@ -143,3 +143,33 @@ def unfused_deferred_prepare_attn(rank: int, world_size: int) -> Dict[str, Any]:
         "want_residual": want_residual,
         "residual_untouched": True,
     }
+
+
+def all_reduce_modes(rank: int, world_size: int, groups=("tp", "attn_tp")) -> list:
+    """SGLang's ``tensor_model_parallel_all_reduce`` (and the attention-TP one) under each
+    all-reduce mode of :func:`harness.standins.kernels.allreduce_mode`, on this rank's
+    partial sums: per (mode, group), whether the result is the input tensor, whether the
+    input was left as it was, whether the result is the complete sum, and how many
+    custom all-reduces ran."""
+    from sglang.srt.distributed import (
+        attention_tensor_model_parallel_all_reduce,
+        tensor_model_parallel_all_reduce,
+    )
+
+    from harness.standins import kernels
+
+    reduce = {"tp": tensor_model_parallel_all_reduce,
+              "attn_tp": attention_tensor_model_parallel_all_reduce}
+    out = []
+    for mode in kernels.ALLREDUCE_MODES:
+        for group in groups:
+            partial, full, _residual, _g = _partial_sums(rank, world_size)
+            before, counted = partial.clone(), kernels.PATHS.copy()
+            with kernels.allreduce_mode(mode):
+                result = reduce[group](partial)
+            out.append({"rank": rank, "mode": mode, "group": group,
+                        "same_tensor": result is partial,
+                        "input_untouched": bool((partial == before).all()),
+                        "complete_sum": bool((result == full).all()),
+                        "custom": kernels.paths_since(counted).get("custom_all_reduce", 0)})
+    return out

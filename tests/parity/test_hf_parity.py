@@ -49,14 +49,19 @@ import torch
 
 from harness.parity import reference
 from harness.parity.families import BOTH_BASES, families
-from harness.parity.runner import ENV, INIT_FN, MODES, PRELOAD
+from harness.parity.runner import ENV, EXTEND_ONLY, INIT_FN, MODES, PRELOAD
 
 pytestmark = [pytest.mark.bases(*BOTH_BASES), pytest.mark.parity]
 
 TPS = (1, 2)
 SETS = ("none", "eagle3", "dflash", "post_norm")
+EAGLE3_SETS = ("eagle3", "post_norm")
 # The patch that lets the draft choose the last layer's capture (docs/MODELS.md).
 FINAL_LAYER_CAPTURE = "final-layer-capture"
+# The patch that makes SGLang's fallback right where FlashInfer declines a deferred
+# layer's fused norm (all-reduce, then the norm into a residual of its own), per base:
+# 0.5.23's own fallback does both.
+DECLINED_FALLBACK = {BOTH_BASES[0]: "fused-norm-fallback"}
 
 
 def _active(fam) -> bool:
@@ -82,15 +87,22 @@ def _ids(set_name: str, num_layers: int) -> list:
     return request["eagle3"] if "eagle3" in request else request["dflash"]
 
 
+def sets(fam) -> tuple:
+    """The capture sets of ``fam``: SETS, less the EAGLE3 ones for a DFlash-only model."""
+    return SETS if fam.eagle3 else tuple(s for s in SETS if s not in EAGLE3_SETS)
+
+
 def _cases():
     """(test id, family, tp, set, fusion) for every parity run of the active base."""
     out = []
     for name, fam in sorted(families().items()):
+        if not _active(fam):
+            continue
         for tp in TPS:
             if tp not in fam.tps:
                 continue
-            for set_name in SETS:
-                for fusion in fam.fusions(tp):
+            for set_name in sets(fam):
+                for fusion in fam.variants(tp):
                     out.append((f"{name}-tp{tp}-{set_name}-{fusion}", name, tp, set_name, fusion))
     return out
 
@@ -115,6 +127,9 @@ def _patch_for(fam, bug: str):
 # The survey bugs every family's parity cases exercise (the rest: Family.also_exercises):
 # A, C, R (no DFlash setter), U (no setter at all), N (final norm).
 EXERCISED = frozenset({"A", "C", "R", "U", "N"})
+# The aliasing variants (harness.parity.runner.VARIANTS) in which a layer defers its
+# all-reduce into the next layer's norm: bug A shows there, fused or declined.
+DEFERS = ("flashinfer", "declined")
 
 
 def _exercised(fam) -> frozenset:
@@ -140,7 +155,7 @@ def case_bugs(fam, kind: str, tp: int, set_name: str, fusion: str) -> list[str]:
     if refused(fam, set_name):
         return [b for b in ("U", "R") if b in bugs][:1]
     wanted = []
-    if kind == "in_loop" and tp > 1 and fusion != "off":
+    if kind == "in_loop" and tp > 1 and fusion in DEFERS:
         wanted.append("A")
     if kind == "last":
         wanted.append("C")
@@ -161,6 +176,11 @@ def _marks(fam, kinds, tp: int, set_name: str, fusion: str, mode: str = "") -> l
     patches = {p for p in (_patch_for(fam, b) for b in bugs) if p}
     if "last" in kinds and set_name == "post_norm":
         patches.add(FINAL_LAYER_CAPTURE)
+    if fusion == "declined" and mode != "idle":  # an idle batch holds no value
+        from harness.patchset.layout import layout
+
+        patches.add(DECLINED_FALLBACK.get(layout().label))
+        patches.discard(None)
     return marks + [pytest.mark.guards(p) for p in sorted(patches)]
 
 
@@ -176,7 +196,7 @@ def _mode_params():
     """The later forwards' cases: every capture set, each forward of MODES (its check
     covers the final hidden states, the in-loop and the last-layer captures)."""
     for case_id, name, tp, set_name, fusion in CASES:
-        if set_name == "none":
+        if set_name == "none" or fusion in EXTEND_ONLY:  # runner.EXTEND_ONLY: why
             continue
         for mode in MODES:
             marks = _marks(families()[name], ("final", "in_loop", "last"), tp, set_name,
@@ -255,7 +275,7 @@ def _run(rank_pool, references, tp: int) -> dict:
             # transformers' own count of decoder layers (its hidden_states), which the
             # tests use too: LongCat's config counts two attentions per layer.
             L = references[name]["ref"]["num_layers"]
-            for set_name in SETS:
+            for set_name in sets(fam):
                 if set_name in FOLLOWS:
                     continue
                 then = [s for s, first in FOLLOWS.items() if first == set_name]
@@ -266,7 +286,7 @@ def _run(rank_pool, references, tp: int) -> dict:
                                   modes=[] if set_name == "none" else list(MODES),
                                   capture=capture_request(set_name, L),
                                   then=[capture_request(s, L) for s in then],
-                                  fusions=list(fam.fusions(tp)), attention=fam.attention,
+                                  fusions=list(fam.variants(tp)), attention=fam.attention,
                                   setup=fam.setup))
         per_rank = _pool(rank_pool, tp).run("harness.parity.runner:run_family", cases)
         _RUNS[tp] = {}
@@ -279,6 +299,40 @@ def _run(rank_pool, references, tp: int) -> dict:
     return _RUNS[tp]
 
 
+# What each aliasing variant's forwards must have run (harness.standins.kernels.PATHS):
+# the FlashInfer wrapper's outcomes, and CUDA's custom all-reduce.
+FLASHINFER_PATHS = ("flashinfer_fused", "flashinfer_declined")
+
+
+def check_paths(variant: str, tp: int, paths: dict, what: str, tokens: bool = True) -> None:
+    """Fail unless the forward took the path ``variant`` stands for: a "flashinfer" case
+    fused (the CPU reference returned its result, and no call declined), a "declined"
+    one fell back (the real wrapper declined, and nothing fused), any other case never
+    asked FlashInfer; at TP > 1 "custom_ar" all-reduced through CUDA's custom
+    all-reduce and the others never did. A forward of no tokens (``tokens`` False)
+    fuses nothing and may all-reduce nothing."""
+    want = {"flashinfer": "flashinfer_fused", "declined": "flashinfer_declined"}.get(variant)
+    for path in FLASHINFER_PATHS:
+        ran = paths.get(path, 0)
+        expected = path == want and tokens
+        assert (ran > 0) == expected, (
+            f"{what}: {variant} case: FlashInfer's wrapper "
+            f"{'fused' if path == 'flashinfer_fused' else 'declined'} {ran} times "
+            f"({'expected' if expected else 'expected none'}; paths {paths})"
+        )
+    # Every forward of tokens normalises through SGLang's CUDA norm path over the CPU
+    # kernels (harness.standins.cpu_kernels.cuda_norm), at TP 1 too.
+    # (The pin's Gemma3RMSNorm has no residual form: its forward_cuda is forward_native.)
+    norms = paths.get("norm_forward_cuda", 0)
+    assert norms > 0 or not tokens, (
+        f"{what}: {variant} case: no norm ran SGLang's CUDA path (paths {paths})")
+    ran = paths.get("custom_all_reduce", 0)
+    if variant == "custom_ar" and tp > 1 and tokens:
+        assert ran > 0, f"{what}: custom_ar case ran no custom all-reduce (paths {paths})"
+    elif variant != "custom_ar":
+        assert ran == 0, f"{what}: {variant} case ran {ran} custom all-reduces (paths {paths})"
+
+
 def _results(rank_pool, references, name, tp, set_name, fusion) -> list:
     fam = families()[name]
     if not _active(fam):
@@ -287,6 +341,7 @@ def _results(rank_pool, references, name, tp, set_name, fusion) -> list:
     for r, res in enumerate(per_rank):
         if "error" in res:
             pytest.fail(f"{name} tp{tp} {set_name} {fusion}: rank {r} raised:\n{res['error']}")
+        check_paths(fusion, tp, res["paths"], f"rank {r}: the extend")
     return per_rank
 
 
@@ -298,6 +353,7 @@ def _mode_results(rank_pool, references, name, tp, set_name, fusion, mode) -> li
         if "error" in got:
             pytest.fail(f"{name} tp{tp} {set_name} {fusion} {mode}: rank {r} raised:\n"
                         f"{got['error']}")
+        check_paths(fusion, tp, got["paths"], f"rank {r}: {mode}", tokens=mode != "idle")
         out.append(got)
     return out
 

@@ -115,7 +115,7 @@ class Family:
     # changed (e.g. a wrapper's setter that calls the model's own on a newer release).
     also_exercises_on: Mapping[str, frozenset] = dataclasses.field(default_factory=dict)
     # Its decoder layers can defer the MLP all-reduce into the next layer's fused norm:
-    # at TP > 1 the FlashInfer fusion emulation runs too.
+    # at TP > 1 the FlashInfer fusion emulation runs too, fused and declined.
     defers: bool = False
     # transformers' final norm module (its input is the pre-norm last-layer stream).
     hf_final_norm: str = "model.norm"
@@ -134,6 +134,9 @@ class Family:
     # installs CPU versions of kernels that have no CPU path (harness/standins/cpu_kernels).
     setup: str = ""
     bases: tuple = BOTH_BASES
+    # It has an EAGLE3 setter. False: DFlash only (``set_dflash_layers_to_capture``; the
+    # model runner refuses EAGLE3 for it), so no eagle3 or post_norm (EAGLE3 ids) set.
+    eagle3: bool = True
     tps: tuple = (1, 2)
     # Absolute/relative tolerance of float32 comparisons against transformers.
     atol: float = 2e-4
@@ -152,7 +155,17 @@ class Family:
     cannot_run: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def fusions(self, tp: int) -> tuple:
+        """The fusion modes (``harness.standins.kernels.fusion_mode``) at ``tp``."""
         return ("off", "flashinfer") if self.defers and tp > 1 else ("off",)
+
+    def variants(self, tp: int) -> tuple:
+        """The aliasing variants (``harness.parity.runner.VARIANTS``) its cases run in at
+        ``tp``: "off" everywhere (TP 1 has no all-reduce); at TP > 1 CUDA's out-of-place
+        custom all-reduce ("custom_ar") too, and where the layers defer their
+        all-reduce FlashInfer's fusion, fused and declined."""
+        if tp <= 1:
+            return ("off",)
+        return ("off", "custom_ar") + (("flashinfer", "declined") if self.defers else ())
 
 
 _FAMILIES: Optional[dict[str, Family]] = None

@@ -131,7 +131,7 @@ def _minimax_m2():
 _LONGCAT_LAYERS = 4
 _LONGCAT_ZERO_EXPERTS_TP = (
     "LongcatFlashMoE.forward adds the zero (identity) experts' output on every TP rank "
-    "before the MoE all-reduce (pin longcat_flash.py 288-292, 0.5.23 335-336): at TP > 1 "
+    "before the MoE all-reduce (pin longcat_flash.py 288-292, 0.5.23 335-339): at TP > 1 "
     "it is counted tp times")
 
 
@@ -322,7 +322,7 @@ FAMILIES = [
                      "rope_scaling": {"rope_type": "default", "rope_theta": 10000.0}},
         setup="harness.parity.families.moe:longcat_setup",
         # LongcatFlashMoE.forward adds the zero (identity) experts' output on every rank
-        # before the MoE all-reduce (pin longcat_flash.py 288-292, 0.5.23 335-336 ahead of
+        # before the MoE all-reduce (pin longcat_flash.py 288-292, 0.5.23 335-339 ahead of
         # the layer boundary's all-reduce): at TP 2 it is counted twice. Measured: the
         # TP 2 final hidden states differ by 0.39 (|ref| 3.4); with the addend divided
         # by tp_size (an experiment, not a patch here) TP 2 matches transformers.

@@ -8,11 +8,14 @@ through the wrapper. Prompts are text only: no deepstack (image tokens are out o
 tier's scope), and the M-RoPE positions are the text positions on all three axes, as
 SGLang's ``ForwardBatch`` makes them for a request without images
 (``harness.parity.runner.Requests``).
+
+Qwen2.5-VL the same way: ``Qwen2_5_VLForConditionalGeneration`` over qwen2.py's
+``Qwen2Model`` (qwen2_5_vl.py), transformers' ``Qwen2_5_VLForConditionalGeneration``.
 """
 
 from __future__ import annotations
 
-from harness.parity.families import IDLE_MOE, Family, tiny_fields
+from harness.parity.families import IDLE_MOE, IDLE_ROPE, Family, tiny_fields
 
 # head_dim 16: M-RoPE splits its 8 rotary frequencies over (t, h, w), interleaved as in
 # the released checkpoints ("mrope_interleaved": true, sections summing to head_dim / 2).
@@ -96,3 +99,37 @@ FAMILIES = [
         cannot_run=IDLE_MOE,
     ),
 ]
+
+
+# Qwen2.5-VL: SGLang's Qwen2_5_VLForConditionalGeneration over qwen2.py's Qwen2Model;
+# M-RoPE not interleaved (sections [t, h, w] in the released proportions 16:24:24,
+# summing to head_dim / 2 = 8); a one-block vision tower (window attention, its only
+# block a full-attention one) whose merger outputs the text hidden size.
+_QWEN2_5_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+_QWEN2_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                       window_size=16, fullatt_block_indexes=[0], out_hidden_size=64,
+                       initializer_range=0.2)
+
+
+def _qwen2_5_vl():
+    text = tiny_fields(rope_parameters=dict(_QWEN2_5_ROPE))
+    for key in ("bos_token_id", "eos_token_id", "dtype"):
+        text.pop(key)
+    return dict(text_config=text, vision_config=dict(_QWEN2_5_VISION),
+                vocab_size=text["vocab_size"], tie_word_embeddings=False, dtype="float32")
+
+
+FAMILIES.append(
+    Family(
+        name="qwen2_5_vl",
+        sglang_file="qwen2_5_vl.py",
+        hf_config_class="Qwen2_5_VLConfig",
+        hf_model_class="Qwen2_5_VLForConditionalGeneration",
+        config=_qwen2_5_vl,
+        # The wrapper's language model is qwen2.py's Qwen2Model (the qwen2 spec's wraps).
+        spec="qwen2",
+        hf_final_norm="model.language_model.norm",
+        cannot_run=IDLE_ROPE,
+    )
+)

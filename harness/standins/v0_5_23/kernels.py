@@ -18,6 +18,10 @@ forward_batch)`` (``residual/add_norm.py``). Both predicates are imported *by na
   workspace is built on (``resolve_fusion_group``), and returns a *fresh*
   ``(norm_out, residual_out)``, inputs untouched (the kernel's aliasing, on which
   ``flashinfer_preserves_residual`` lets the capture skip its clone).
+* ``flashinfer_declined``: the same predicate, and the real FlashInfer wrapper with its
+  first check answered no (FlashInfer unavailable, as on a CPU): it returns ``(None,
+  None)`` and ``_forward_with_allreduce_fusion``'s own fallback runs (all-reduce over
+  the kernel's group, then the norm into a residual of its own).
 * ``aiter``: ``layernorm._use_aiter`` (the kernel choice) and ``allreduce._use_aiter``
   are on, ``exec.comm.enable_aiter_allreduce_fusion`` is overridden on, the predicate
   is the real one without its ROCm gate; the kernel is an in-place CPU reference
@@ -26,7 +30,8 @@ forward_batch)`` (``residual/add_norm.py``). Both predicates are imported *by na
 
 On a CUDA machine the FlashInfer kernel and predicate stay SGLang's own (``flashinfer``
 overrides ``exec.comm.flashinfer_allreduce_fusion_backend`` to ``auto``); the aiter
-reference is used everywhere, as on the pin. Stdlib-only at import time.
+reference is used everywhere, as on the pin. Each FlashInfer wrapper call's outcome is
+counted in ``harness.standins.kernels.PATHS``. Stdlib-only at import time.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from harness.standins.kernels import (
     allreduce_add_rmsnorm_fresh,
     allreduce_add_rmsnorm_inplace,
     has_real_kernels,
+    op_body,
+    recording_flashinfer,
 )
 
 __all__ = [
@@ -130,7 +137,8 @@ def fusion_mode(mode: str) -> Iterator[None]:
             and add_norm.aiter_ar_fusion_enabled_for(forward_batch.forward_mode)
         )
 
-    fi_pred = {"off": never, "flashinfer": flashinfer_applies, "aiter": never}[mode]
+    fi_pred = {"off": never, "flashinfer": flashinfer_applies,
+               "flashinfer_declined": flashinfer_applies, "aiter": never}[mode]
     aiter_pred = aiter_applies if mode == "aiter" else never
     if real and mode == "flashinfer":
         fi_pred = None  # SGLang's own predicate and kernel
@@ -154,9 +162,17 @@ def fusion_mode(mode: str) -> Iterator[None]:
                     stack.enter_context(
                         get_exec().comm.override(flashinfer_allreduce_fusion_backend="auto")
                     )
+                    kernel = flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm
                 else:
-                    patch(flashinfer_comm_fusion, "flashinfer_allreduce_residual_rmsnorm",
-                          cpu_flashinfer_allreduce_residual_rmsnorm)
+                    kernel = cpu_flashinfer_allreduce_residual_rmsnorm
+                patch(flashinfer_comm_fusion, "flashinfer_allreduce_residual_rmsnorm",
+                      recording_flashinfer(kernel))
+            elif mode == "flashinfer_declined":
+                patch(flashinfer_comm_fusion, "is_flashinfer_available", lambda: False)
+                patch(flashinfer_comm_fusion, "flashinfer_allreduce_residual_rmsnorm",
+                      recording_flashinfer(op_body(
+                          flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm,
+                          flashinfer_comm_fusion, "flashinfer_allreduce_residual_rmsnorm")))
             elif mode == "aiter":
                 stack.enter_context(get_exec().comm.override(enable_aiter_allreduce_fusion=True))
                 patch(layernorm, "_use_aiter", True)
