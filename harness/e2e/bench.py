@@ -60,9 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", action="store_true",
                    help="instead of the memory benchmark: features/s returned by the real Engine, "
                         "pristine base vs series vs no capture (BASE=0.5.23)")
-    g.add_argument("--rounds", type=int, default=5, help="measured rounds, after one warm-up (default 5)")
-    g.add_argument("--prompts", type=int, default=8, help="requests per batch (default 8)")
-    g.add_argument("--prompt-len", type=int, default=64, help="prompt tokens each (default 64)")
+    g.add_argument("--rounds", type=int, default=15, help="measured rounds, after one warm-up (default 15)")
+    g.add_argument("--prompts", type=int, default=16, help="requests per batch (default 16)")
+    g.add_argument("--prompt-len", type=int, default=128, help="prompt tokens each (default 128)")
     g.add_argument("--new-tokens", type=int, default=8, help="generated tokens each (default 8)")
     g.add_argument("--engine-hidden", type=int, default=256, help="hidden size of the llama (default 256)")
     g.add_argument("--engine-layers", type=int, default=8, help="its layers (default 8)")

@@ -95,9 +95,11 @@ VARIANTS = {
 # verify forwards run the same layers over the same code paths with other attention
 # metadata, and the verify forward (the interpreted triton backend) is most of the
 # tier's cost (about 0.6 s a forward, 1 s for MLA), so running them again per variant
-# would add about half the tier's time for no path the extend misses. "off" and
-# "flashinfer" (the pre-existing variants) keep every forward.
-EXTEND_ONLY = ("custom_ar", "declined")
+# would add about half the tier's time for no path the extend misses. "flashinfer" too:
+# the fusion decision is by token count (FUSE_ALLREDUCE_MAX_BATCH_SIZE), which every
+# extend here is under, so its extend takes the fused kernel in every layer and at the
+# final norm as a decode would. "off" keeps every forward.
+EXTEND_ONLY = ("flashinfer", "custom_ar", "declined")
 
 
 # ------------------------------------------------------------------ loading
