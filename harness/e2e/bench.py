@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from harness import HarnessError
+from harness.patchset.git import export_commit
 
 VARIANTS = ("pristine", "series", "no-capture")
 LABELS = {
@@ -152,7 +153,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {names.get(key, key)} | {value:.3f} | {'-' if pair is None else f'{pair:.3f}'} |")
     lines += ["", f"Same features: {report['same_features']}. Peak RSS: the largest VmHWM among each "
               "Engine's processes (the scheduler), since it started.",
-              f"SGLang per variant: " + "; ".join(f"{v}: {p}" for v, p in report["provenance"].items())]
+              "SGLang per variant: " + "; ".join(f"{v}: {p}" for v, p in report["provenance"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -208,19 +209,7 @@ def pristine_tree(lay, tag: str) -> Path:
     except subprocess.CalledProcessError as exc:
         raise HarnessError(f"{lay.rel(tree)} has no {tag}: {exc.stderr.strip()}") from exc
     dest = lay.build / ("bench-engine" if lay.base is None else f"bench-engine-{lay.base}") / "pristine"
-    stamp = dest / ".commit"
-    if stamp.exists() and stamp.read_text() == commit:
-        return dest / "python"
-    if dest.exists():
-        import shutil
-
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(tree), "archive", commit, "python/sglang"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    stamp.write_text(commit)
-    return dest / "python"
+    return export_commit(tree, commit, "python/sglang", dest) / "python"
 
 
 def _checkpoint(directory: Path, hidden: int, layers: int) -> Path:

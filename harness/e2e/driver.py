@@ -129,18 +129,25 @@ class _Multiprocessing:
         return getattr(multiprocessing, name)
 
 
-def hidden_summary_of(hidden_states: Any) -> dict[str, Any]:
-    """``meta_info["hidden_states"]`` in brief: rows (a prefill appends a list of rows,
-    a decode step one row), their width, and the sha256 of the rows as float32 bytes."""
-    import hashlib
-    import struct
-
+def flat_rows(hidden_states: Any) -> list[list[float]]:
+    """``meta_info["hidden_states"]`` as one list of rows: a prefill appends a list of
+    rows, a decode step one row."""
     rows: list[list[float]] = []
     for entry in hidden_states or []:
         if entry and isinstance(entry[0], list):
             rows.extend(entry)
         else:
             rows.append(entry)
+    return rows
+
+
+def hidden_summary_of(hidden_states: Any) -> dict[str, Any]:
+    """``meta_info["hidden_states"]`` in brief: rows (a prefill appends a list of rows,
+    a decode step one row), their width, and the sha256 of the rows as float32 bytes."""
+    import hashlib
+    import struct
+
+    rows = flat_rows(hidden_states)
     digest = hashlib.sha256()
     for row in rows:
         digest.update(struct.pack(f"<{len(row)}f", *row))

@@ -216,13 +216,9 @@ def rows_of(hidden_states: Sequence[Any]) -> Any:
     appends a list of rows, each decode step one row."""
     import torch
 
-    rows: list[list[float]] = []
-    for entry in hidden_states or []:
-        if entry and isinstance(entry[0], list):
-            rows.extend(entry)
-        else:
-            rows.append(entry)
-    return torch.tensor(rows, dtype=torch.float32)
+    from harness.e2e.driver import flat_rows
+
+    return torch.tensor(flat_rows(hidden_states), dtype=torch.float32)
 
 
 @dataclass

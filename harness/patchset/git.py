@@ -79,3 +79,22 @@ def git(
         first = next((m for m in msg if m.startswith(("error:", "fatal:"))), msg[0] if msg else "")
         raise HarnessError(f"git {args[0]} failed in {cwd}: {first}")
     return proc
+
+
+def export_commit(tree: Path, commit: str, paths: str, dest: Path) -> Path:
+    """``paths`` of ``commit`` in ``tree`` as plain files under ``dest`` (``git archive``),
+    exported once: ``dest/.commit`` records the commit, and a different one replaces the
+    export. Returns ``dest``."""
+    import shutil
+
+    stamp = dest / ".commit"
+    if stamp.exists() and stamp.read_text() == commit:
+        return dest
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(tree), "archive", commit, paths],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    stamp.write_text(commit)
+    return dest

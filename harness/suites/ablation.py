@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import HarnessError
-from harness.patchset.git import git
+from harness.patchset.git import export_commit, git
 from harness.patchset.layout import layout
 from harness.patchset.series import patch_message, read_series
 
@@ -83,18 +82,7 @@ def _variant_tree(lay, index: int, pid: str) -> Path:
     if len(commits) < index + 1:
         raise HarnessError(f"{lay.rel(tree)} has {len(commits) - 1} patch commits; run `make apply-patches`")
     commit = commits[index]
-    dest = lay.ablation / f"without-{pid}"
-    stamp = dest / ".commit"
-    if stamp.exists() and stamp.read_text() == commit:
-        return dest / "python"
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(tree), "archive", commit, "python"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    stamp.write_text(commit)
-    return dest / "python"
+    return export_commit(tree, commit, "python", lay.ablation / f"without-{pid}") / "python"
 
 
 class _Run:
