@@ -73,7 +73,9 @@ class ModelSpec:
     # layers_to_capture, "R" no DFlash setter (the model runner refuses DFlash), "U" no
     # setter at all (EAGLE3 and DFlash unreachable), "N" the final norm differs from the
     # reference, "V" deepstack lost or multiplied under a deferred all-reduce, or
-    # captured before it.
+    # captured before it. "G" (0.5.23) a packer model's packer is not
+    # ``AuxHiddenStatePacker.for_batch`` (no shared ``aux_hidden_states_buffer``) and its
+    # CausalLM has no ``get_aux_hidden_states_width``.
     pin_bugs: frozenset = frozenset()
     construct: Callable = _default_construct
     configure: Callable = _set_layers_to_capture
