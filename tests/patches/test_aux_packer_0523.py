@@ -1,5 +1,6 @@
 """The packed aux hidden states of the 0.5.23 packer migration, one family per patch
-(the *-aux-packer patches; each model's is its spec's fix for B): the forward returns one
+(the *-aux-packer patches; each model's is its spec's fix for B, or for G where
+upstream already packed: deepseek_v2 and mimo_v2): the forward returns one
 [T, K * H] buffer, fills a DFlash decode graph's shared buffer when the batch carries
 one, and its CausalLM reports that buffer's width to the model runner.
 
@@ -64,9 +65,20 @@ CAUSAL_LM = {
     # Both of BeamModel's loops: the fused one and the plain one (CPU offload).
     "beam": "BeamForCausalLM",
     "beam_unfused": "BeamForCausalLM",
+    # Upstream's packers that took no graph buffer and reported no width (G).
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "mimo_v2": "MiMoV2ForCausalLM",
 }
+
+
+def _guard(spec) -> str:
+    """The patch whose tests these are: the spec's fix for G (upstream packed, but
+    without the graph's buffer or a width), else its family's packer migration (B)."""
+    return spec.patch_for("G") if "G" in spec.bugs() else spec.patch_for("B")
+
+
 # Collected on every base; the files new in 0.5.23 have no spec on the pin.
-PARAMS = [pytest.param(name, marks=pytest.mark.guards(specs()[name].patch_for("B")), id=name)
+PARAMS = [pytest.param(name, marks=pytest.mark.guards(_guard(specs()[name])), id=name)
           for name in CAUSAL_LM if name in specs()]
 
 _BUILT: dict = {}

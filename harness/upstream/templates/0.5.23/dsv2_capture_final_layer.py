@@ -92,6 +92,7 @@ def _forward_batch(idle=False):
         can_run_tbo=False,
         residual_stream=None,
         forward_mode=ForwardMode.IDLE if idle else ForwardMode.EXTEND,
+        aux_hidden_states_buffer=None,  # no decode graph's buffer
     )
 
 
