@@ -40,7 +40,7 @@ from harness.patchset.git import git
 from harness.patchset.layout import Layout, layout
 from harness.patchset.pin import load_pin
 from harness.patchset.scratch import scratch
-from harness.upstream import zygote
+from harness.upstream import prbody, zygote
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PUSH_REF = "refs/heads/auxcap/{id}"
@@ -419,8 +419,12 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
         (dest / "upstream_test.py").write_text(test_src)
         patch_names = [f.name for f in pf]
         (dest / "title.txt").write_text(p.subject + "\n")
-        (dest / "description.md").write_text(
-            _base_description(p, release, test_path, deps, stat, without, with_patch))
+        desc = prbody.base_description(p, release, test_path, deps, stat, without, with_patch,
+                                       strip=strip_trailers)
+        leaked = prbody.fork_markers(desc + "\n" + strip_trailers(p.body))
+        if leaked:
+            raise HarnessError(f"{p.id}: the PR body carries the fork's {', '.join(leaked)}")
+        (dest / "description.md").write_text(desc)
         (dest / "PUSH.md").write_text(_push(p.id, release, patch_names, deps, remote, test_path))
         (dest / "bundle.json").write_text(json.dumps({
             "id": p.id, "title": p.subject, "base_release": release, "base_tag": f"v{release}",
@@ -578,31 +582,9 @@ def _test_result(rc: int, log: Path, tree: Path) -> dict[str, Any]:
     this machine's (``tree``: the checkout the test ran in)."""
     output = (f"timed out after {TEST_TIMEOUT}s\n" if rc == 124 else "") + log.read_text(errors="replace")
     output = re.sub(r'"[^"\n]*/site-packages/', '"site-packages/', output.replace(f"{tree.resolve()}/", "").replace(f"{tree}/", ""))
+    # The runner's own frame (it runs the test as __main__) and the line it quotes.
+    output = re.sub(r'(?m)^\s*File "[^"\n]*/harness/upstream/zygote\.py".*\n(?:\s{4,}\S.*\n)?', "", output)
     lines = [x for x in output.strip().splitlines() if x.strip()]
     tail = [x for x in lines if not x.lstrip().startswith(("warnings.warn", "/"))][-12:]
     summary = next((x for x in reversed(lines) if x.startswith(("OK", "FAILED", "Ran "))), f"exit {rc}")
     return {"rc": rc, "tail": tail, "summary": summary.strip(), "last": tail[-1] if tail else f"exit {rc}"}
-
-
-def _base_description(p, release, test_path, deps, stat, without, with_patch) -> str:
-    body = strip_trailers(p.body)
-    lines = [f"# {p.subject}", "", "## Motivation", "", body.split("\n\nFix:")[0].strip(), "", "## Change", ""]
-    m = re.search(r"(?ms)^Fix:\s*(.+?)(?:\n\n[A-Z][a-z]+:|\Z)", body)
-    if m:
-        change = m.group(1).strip()
-        lines += [change[:1].upper() + change[1:], ""]
-    lines += [f"Based on SGLang v{release}. Files:", "", "```", stat, "```", ""]
-    related = re.search(r"(?ms)^Related:\s*(.+?)(?:\n\n[A-Z][a-z]+:|\Z)", body)
-    if related:
-        lines += ["## Related", "", related.group(1).strip(), ""]
-    origin = p.trailers.get("Origin", "new")
-    if origin.startswith("new, port of"):
-        lines += [f"Port of {origin.split('port of', 1)[1].strip()}.", ""]
-    if deps:
-        lines += ["Depends on (apply/merge first): " + ", ".join(f"`{q.id}`" for q in deps), ""]
-    lines += ["## Tests", "", f"New unit test `{test_path}` (registered for CI; runs as `python3 {test_path}`).", "",
-              f"Checked on a clean checkout of v{release} (`git apply --check`: OK):", ""]
-    for label, res in ((f"without this change (v{release})", without), ("with this change", with_patch)):
-        verdict = "passes" if res["rc"] == 0 else "fails"
-        lines += [f"- {label}: {verdict} (exit {res['rc']}, `{res['summary']}`)", "", "```", *res["tail"], "```", ""]
-    return "\n".join(lines).rstrip() + "\n"

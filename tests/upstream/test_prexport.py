@@ -214,6 +214,16 @@ def test_bundle_from_base_is_verified_on_pristine_release(tmp_path, monkeypatch)
     assert "2 files changed" in desc  # the stat covers the fix, not only the test
     assert "AssertionError: 41 != 42" in desc and "passes (exit 0" in desc
     assert str(tmp_path) not in desc
+    # SGLang's pull-request template, the motivation without the fork's "Bug:" label,
+    # and how the PR relates to each upstream thread on aux capture
+    from harness.upstream.prbody import THREADS, fork_markers
+
+    heads = [x for x in desc.splitlines() if x.startswith("## ")]
+    assert heads == ["## Motivation", "## Modifications", "## Related", "## Accuracy Tests",
+                     "## Benchmarking and Tests", "## Checklist"]
+    assert "\n\nOff by one." in desc and "Bug:" not in desc and "Return 42." in desc
+    assert all(f"| #{n} |" in desc for n, _, _ in THREADS)
+    assert fork_markers(desc) == []
     # and it applies to a pristine checkout of the release
     check = tmp_path / "check"
     run_git(tmp_path, "clone", "-q", str(root / "build" / f"sglang-{BASE}"), str(check))
@@ -232,12 +242,16 @@ def test_bundle_evidence_shows_the_reviewers_paths(tmp_path):
         "Traceback (most recent call last):\n"
         f'  File "{tree}/python/sglang/test/test_utils.py", line 2452, in _callTestMethod\n'
         f'  File "{tmp_path}/.tox/test/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1, in f\n'
+        f'  File "{tmp_path}/harness/upstream/zygote.py", line 111, in _run_as_main\n'
+        "    runpy.run_path(test_path, run_name=\"__main__\")\n"
         "AttributeError: 'X' object has no attribute 'get_aux_hidden_states_width'\n"
         "FAILED (errors=1)\n")
     res = _test_result(1, log, tree)
     assert res["tail"][1] == '  File "python/sglang/test/test_utils.py", line 2452, in _callTestMethod'
     assert res["tail"][2].startswith('  File "site-packages/torch/nn/modules/module.py"')
     assert not any(str(tmp_path) in x for x in res["tail"]) and res["summary"] == "FAILED (errors=1)"
+    # the runner's own frame (it runs the test as __main__) is not the reviewer's
+    assert not any("zygote" in x or "runpy" in x for x in res["tail"])
 
 
 def test_bundle_test_must_pass_on_the_whole_series(tmp_path, monkeypatch):
@@ -365,3 +379,15 @@ def test_one_export_at_a_time_on_the_test_trees(tmp_path, monkeypatch):
         held.close()
     assert "in use by another pr-export" in str(exc.value) and len(str(exc.value).splitlines()) == 1
     assert not (root / "build" / "pr").exists()
+
+
+def test_pr_body_fork_markers():
+    """What pr-export refuses in a bundle body: the fork's trailers and sections, its test
+    paths and targets, this machine's paths."""
+    from harness.upstream.prbody import fork_markers
+
+    assert fork_markers("Fix: x.\n\nRelated:\n- https://github.com/sgl-project/sglang/pull/1") == []
+    body = ("Patch-Id: x\nFork-Testing: y\nsee tests/patches/test_a.py and make ablation "
+            "on /work/main/build, harness/upstream/x.py")
+    assert fork_markers(body) == ["/work/main/build,", "Fork-Testing:", "Patch-Id:",
+                                  "harness/upstream/x.py", "make ablation", "tests/patches/test_a.py"]

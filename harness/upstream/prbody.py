@@ -1,0 +1,159 @@
+"""The description of a PR bundle made on another base (``pr-export BASE=0.5.23``), in
+SGLang's pull-request template: Motivation, Modifications, Related, Accuracy Tests,
+Benchmarking and Tests, Checklist.
+
+What it reads from the series commit: the ``Bug:`` paragraphs (Motivation, without the
+label), ``Fix:`` (Modifications), ``Related:`` (the patch's own threads). What it adds:
+the files changed, the PRs to merge first (by title), how the PR relates to each
+upstream thread on aux hidden state capture (:data:`THREADS`), and the result of its
+unit test on a clean checkout without and with the change. The fork's trailers,
+``Fork-Testing:`` and its paths never reach it (:func:`fork_markers` says where one
+did; pr-export refuses such a body).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# Labels of the series' commit paragraphs; a paragraph starting with one ends the one
+# before it.
+_SECTION = r"(?:\n\n[A-Z][A-Za-z-]+:|\Z)"
+
+# The upstream threads every bundle states its relation to: (number, state, what it is).
+THREADS = (
+    (28956, "merged, v0.5.17", "`AuxHiddenStatePacker`, and deepseek_v2 moved to it"),
+    (32206, "open", "Qwen3.5: capture the last layer (the stream entering the final norm)"),
+    (39286, "open", "Gemma 3: capture the layer output, not the FFN output"),
+    (39776, "closed, not merged", "MiMo-V2: the last capture after the final norm"),
+    (40159, "open", "Kimi-K3: one aux output buffer across decode CUDA graph sizes"),
+    (33444, "open", "`AuxCaptureSink`: a fused capture sink for breakable/full prefill "
+                    "CUDA graphs, a competing design for the capture handoff"),
+)
+
+# How a PR of each kind relates to each thread.
+_RELATION = {
+    "packer": {
+        28956: "builds on it: moves more models onto the same packer",
+        40159: "the same goal for these models, through the buffer the decode graph "
+               "already shares (`aux_hidden_states_buffer`) rather than a new one",
+        33444: "an alternative to it for these models: if it lands first, this migration "
+               "is redone on its sink (the same one-buffer-per-forward contract)",
+    },
+    "final-layer": {
+        28956: "writes the last layer's capture into its packer where the model packs",
+        32206: "overlaps it in qwen3_5.py with the same value (pre-norm); whichever lands "
+               "first, the other rebases",
+        39776: "keeps pre-norm as the default; the `post_norm` choice gives what it asked for",
+    },
+    "gemma3": {
+        39286: "overlaps it in gemma3_causal.py; whichever lands first, the other rebases",
+    },
+}
+_DEFAULT_RELATION = {
+    28956: "uses it unchanged",
+    33444: "independent of the capture handoff it replaces",
+}
+
+FINAL_LAYER_IDS = frozenset({"models-capture-final-layer", "dsv2-capture-final-layer",
+                             "final-layer-capture", "post-norm-ignored-warning"})
+
+# What a bundle body must not carry: the fork's trailers, sections, paths and targets,
+# and this machine's paths.
+_FORK_MARKERS = re.compile(
+    r"^(?:Patch-Id|Origin|Forwarded|Upstream-Status|Drop-In|Upstream-Probe|Fork-Testing):"
+    r"|tests/(?:multirank|patches|parity|e2e|memory|upstream|standins)/\S*"
+    r"|\bmake [a-z-]+|harness/\S+|\bBASE=\S+|/work/\S+|\bauxcap\b",
+    re.M,
+)
+
+
+def kind(patch_id: str) -> str:
+    """The bundle's kind for :data:`_RELATION`: a packer migration, a last-layer capture
+    change, a Gemma 3 change, or another capture change."""
+    if patch_id.endswith(("aux-packer", "aux-packer-shared")):
+        return "packer"
+    if patch_id in FINAL_LAYER_IDS:
+        return "final-layer"
+    if patch_id.startswith("gemma3-"):
+        return "gemma3"
+    return "capture"
+
+
+def relation(patch_id: str, number: int) -> str:
+    own = _RELATION.get(kind(patch_id), {})
+    return own.get(number) or _DEFAULT_RELATION.get(number) or "independent of it"
+
+
+def section(body: str, label: str) -> str:
+    """The text of the ``label:`` paragraphs of a commit body, without the label."""
+    m = re.search(rf"(?ms)^{label}:\s*(.+?){_SECTION}", body)
+    if not m:
+        return ""
+    text = m.group(1).strip()
+    return text[:1].upper() + text[1:]
+
+
+def motivation(body: str) -> str:
+    """What precedes ``Fix:``, the ``Bug:`` label dropped."""
+    text = body.split("\n\nFix:")[0].strip()
+    text = re.sub(r"^Bug:\s*", "", text)
+    return text[:1].upper() + text[1:]
+
+
+def fork_markers(text: str) -> list[str]:
+    """What in ``text`` belongs to the fork, not to an upstream PR."""
+    return sorted(set(m.group(0) for m in _FORK_MARKERS.finditer(text)))
+
+
+def _accuracy(patch_id: str) -> list[str]:
+    if kind(patch_id) == "packer":
+        return ["No change of values: the packed buffer holds the K captures `torch.cat` "
+                "gave, in the same order (the unit test compares them). The target's "
+                "logits are not touched."]
+    return ["The target's logits are not touched: this changes what the aux hidden "
+            "state capture returns (or when it refuses a request), which the unit test "
+            "below checks on CPU. No GPU accuracy run."]
+
+
+def base_description(p: Any, release: str, test_path: str, deps: list, stat: str,
+                     without: dict, with_patch: dict, strip) -> str:
+    """The bundle's description.md. ``p``: the series patch (``subject``, ``body``,
+    ``id``); ``deps``: the patches to merge first; ``strip``: the function that drops
+    the fork's trailers and sections from a body; ``without``/``with_patch``: the unit
+    test's runs on a clean checkout (``rc``, ``summary``, ``tail``)."""
+    body = strip(p.body)
+    lines = [f"# {p.subject}", "", "## Motivation", "", motivation(body), ""]
+    lines += ["## Modifications", ""]
+    fix = section(body, "Fix")
+    if fix:
+        lines += [fix, ""]
+    lines += [f"Based on v{release}. Files:", "", "```", stat, "```", ""]
+    if deps:
+        lines += ["Stacked on (merge first):", ""] + [f"- {q.subject}" for q in deps] + [""]
+    lines += ["## Related", ""]
+    own = section(body, "Related")
+    if own:
+        lines += [own, ""]
+    lines += ["| thread | state | what it is | this PR |", "|---|---|---|---|"]
+    lines += [f"| #{n} | {state} | {what} | {relation(p.id, n)} |" for n, state, what in THREADS]
+    lines += ["", "## Accuracy Tests", "", *_accuracy(p.id), ""]
+    lines += ["## Benchmarking and Tests", "",
+              f"New unit test `{test_path}` (CPU only, `register_cpu_ci`; runs as "
+              f"`python3 {test_path}`). On a clean checkout of v{release} "
+              "(`git apply --check`: OK):", ""]
+    for label, res in ((f"without this change (v{release})", without), ("with this change", with_patch)):
+        verdict = "passes" if res["rc"] == 0 else "fails"
+        lines += [f"- {label}: {verdict} (exit {res['rc']}, `{res['summary']}`)", "", "```", *res["tail"], "```", ""]
+    if kind(p.id) == "packer":
+        lines += ["Memory: the K captures and their concatenation no longer coexist (one "
+                  "[T, K * H] buffer instead of K captures plus their `torch.cat`). No "
+                  "throughput run on a GPU.", ""]
+    lines += ["## Checklist", "",
+              "- [x] Format your code according to the pre-commit config (ruff, codespell "
+              "at the versions of this release).",
+              "- [x] Add unit tests (CPU, registered with `register_cpu_ci`).",
+              "- [ ] Update documentation / docstrings as needed (none needed).",
+              "- [ ] Provide throughput / latency benchmark results and accuracy evaluation "
+              "results as needed (see above: CPU unit tests only)."]
+    return "\n".join(lines).rstrip() + "\n"
