@@ -109,8 +109,10 @@ class FeatureCase:
     family: str
     capture: str = "pre_norm"  # the last layer's side of the final norm
     tp: int = 1
-    # The id convention --speculative-algorithm names: EAGLE3 (the model's EAGLE3 setter)
-    # or DFLASH (its DFlash setter); both read id j as hidden_states[j + 1].
+    # The id convention --speculative-algorithm names: EAGLE3 (the model's EAGLE3 setter),
+    # DFLASH (its DFlash setter) or DSPARK (its DSpark setter, else its DFlash one:
+    # configure_aux_hidden_state_capture with is_dspark); all read id j as
+    # hidden_states[j + 1].
     method: str = "EAGLE3"
 
     @property
@@ -374,7 +376,8 @@ def known_failure(case: FeatureCase, rows: str) -> str | None:
 # llama and three families whose layers defer their all-reduce (gloo: no fusion on the
 # CPU); the DFLASH
 # convention (0.5.23 refuses DFLASH decoding on the CPU, but capture-only resets the
-# algorithm first) for three families with a DFlash setter of their own.
+# algorithm first) for three families with a DFlash setter of their own, and DSPARK's
+# once (DSPARK_CASES).
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma3", "glm4_moe",
     "apertus", "arcee", "glm4", "gemma3_mm", "glm4_moe_lite", "minimax_m2", "longcat_flash",
@@ -388,9 +391,13 @@ POST_NORM_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gp
                       "glm4_moe", "qwen3_next")
 TP2_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "glm4_moe")
 DFLASH_FAMILIES = ("llama", "qwen3_moe", "gpt_oss")
+# The DSPARK convention once, with post_norm (the capture-only path resolves it from the
+# server argument with is_dspark set; no served family has a DSpark setter of its own).
+DSPARK_CASES = (FeatureCase("llama", "post_norm", method="DSPARK"),)
 FEATURE_CASES = tuple(
     [FeatureCase(f, capture) for f in FAMILIES for capture in CAPTURES
      if capture == "pre_norm" or f in POST_NORM_FAMILIES]
     + [FeatureCase(f, "pre_norm", tp=2) for f in TP2_FAMILIES]
     + [FeatureCase(f, "pre_norm", method="DFLASH") for f in DFLASH_FAMILIES]
+    + list(DSPARK_CASES)
 )

@@ -51,7 +51,8 @@ def _guards(case: FeatureCase) -> list[str]:
     patches = set()
     if spec is not None:
         bugs = spec.bugs()
-        wanted = VALUE_BUGS + (("R",) if case.method == "DFLASH" else ())  # R: no DFlash setter
+        # R: no DFlash setter (which DSPARK falls back to without a DSpark one)
+        wanted = VALUE_BUGS + (("R",) if case.method in ("DFLASH", "DSPARK") else ())
         patches = {spec.patch_for(b) for b in wanted if b in bugs} - {None}
     if case.capture == "post_norm":
         patches.add(features.FINAL_LAYER_CAPTURE)
