@@ -9,9 +9,10 @@ hands the captures to the logits processor lacked the DFlash setter (or,
 for arcee, glm4 and granitemoehybrid, both), and the Qwen3-VL wrapper's
 DFlash setter called one its dense language model does not have. Each
 setter must request capture index ``id + 1`` (the output of layer ``id``)
-from the language model, turn on ``capture_aux_hidden_states``, and skip a
-pipeline rank that is not the last one where the model's EAGLE3 setter
-does.
+from the language model and turn on ``capture_aux_hidden_states``. An added
+EAGLE3 setter skips a pipeline rank that is not the last, as its file's
+others do; an added DFlash setter has no such guard, since DFlash requires
+pp_size 1.
 
 Runs on CPU without a GPU or a checkpoint: each model, and the language
 model it wraps, is its real class created without its __init__ (which
@@ -73,15 +74,15 @@ class _Case:
 
     ``wraps``: the causal LM a multimodal wrapper delegates to (None when the
     model holds the language model itself). ``eagle3_added``: the model had
-    no EAGLE3 setter either. ``pp_guard``: its EAGLE3 setter skips a pipeline
-    rank that is not the last, so its DFlash setter must too.
+    no EAGLE3 setter either. ``dflash_added``: this change adds the DFlash
+    setter that runs (not a wrapper's delegation to an existing one).
     """
 
     model_cls: type
     language_model_cls: type
     wraps: Optional[type] = None
     eagle3_added: bool = False
-    pp_guard: bool = True
+    dflash_added: bool = True
 
     @property
     def name(self):
@@ -93,25 +94,27 @@ CASES = (
     _Case(ArceeForCausalLM, ArceeModel, eagle3_added=True),
     _Case(BailingMoEForCausalLM, BailingMoEModel),
     _Case(ExaoneMoEForCausalLM, ExaoneMoEModel),
-    _Case(Gemma3ForCausalLM, Gemma3TextModel, pp_guard=False),
-    _Case(
-        Gemma3ForConditionalGeneration,
-        Gemma3TextModel,
-        wraps=Gemma3ForCausalLM,
-        pp_guard=False,
-    ),
+    _Case(Gemma3ForCausalLM, Gemma3TextModel),
+    _Case(Gemma3ForConditionalGeneration, Gemma3TextModel, wraps=Gemma3ForCausalLM),
     _Case(Glm4ForCausalLM, Glm4Model, eagle3_added=True),
     _Case(Glm4MoeForCausalLM, Glm4MoeModel),
     _Case(GraniteMoeHybridForCausalLM, GraniteMoeHybridModel, eagle3_added=True),
-    _Case(LongcatFlashForCausalLM, LongcatFlashModel, pp_guard=False),
+    _Case(LongcatFlashForCausalLM, LongcatFlashModel),
     _Case(MiniMaxM2ForCausalLM, MiniMaxM2Model),
-    _Case(Llama4ForConditionalGeneration, Llama4Model, wraps=Llama4ForCausalLM),
+    # Delegates to LlamaForCausalLM's own DFlash setter.
+    _Case(
+        Llama4ForConditionalGeneration,
+        Llama4Model,
+        wraps=Llama4ForCausalLM,
+        dflash_added=False,
+    ),
     _Case(Qwen2ForCausalLM, Qwen2Model),
-    _Case(Qwen2_5_VLForConditionalGeneration, Qwen2Model, pp_guard=False),
+    _Case(Qwen2_5_VLForConditionalGeneration, Qwen2Model),
     _Case(Qwen2MoeForCausalLM, Qwen2MoeModel),
-    # The dense language model has no DFlash setter; the MoE one has.
-    _Case(Qwen3VLForConditionalGeneration, Qwen3LLMModel),
-    _Case(Qwen3VLMoeForConditionalGeneration, Qwen3MoeLLMModel),
+    # The wrapper's own DFlash setter, fixed: the dense language model has
+    # no DFlash setter; the MoE one has.
+    _Case(Qwen3VLForConditionalGeneration, Qwen3LLMModel, dflash_added=False),
+    _Case(Qwen3VLMoeForConditionalGeneration, Qwen3MoeLLMModel, dflash_added=False),
 )
 
 
@@ -207,18 +210,28 @@ class TestModelsCaptureSetters(CustomTestCase):
                 self.assertEqual(language_model.layers_to_capture, [])
                 self.assertFalse(holder.capture_aux_hidden_states)
 
-    def test_not_last_pipeline_rank_captures_nothing(self):
+    def test_added_eagle3_setters_skip_a_pipeline_rank_not_the_last(self):
         for case in CASES:
-            if not case.pp_guard:
+            if not case.eagle3_added:
                 continue
-            methods = ("dflash", "eagle3") if case.eagle3_added else ("dflash",)
-            for method in methods:
-                with self.subTest(model=case.name, method=method):
-                    model, holder, language_model = _build(case, last_rank=False)
-                    _configure(model, method, DFLASH_LAYER_IDS)
-                    self.assertEqual(language_model.layers_to_capture, [])
-                    self.assertFalse(holder.capture_aux_hidden_states)
+            with self.subTest(model=case.name):
+                model, holder, language_model = _build(case, last_rank=False)
+                _configure(model, "eagle3", EAGLE3_LAYER_IDS)
+                self.assertEqual(language_model.layers_to_capture, [])
+                self.assertFalse(holder.capture_aux_hidden_states)
 
+    def test_added_dflash_setters_have_no_pipeline_guard(self):
+        # DFlash requires pp_size 1: a guard on the pipeline rank could never
+        # take effect, so the added setters configure whatever it says.
+        expected = [i + 1 for i in DFLASH_LAYER_IDS]
+        for case in CASES:
+            if not case.dflash_added:
+                continue
+            with self.subTest(model=case.name):
+                model, holder, language_model = _build(case, last_rank=False)
+                _configure(model, "dflash", DFLASH_LAYER_IDS)
+                self.assertEqual(language_model.layers_to_capture, expected)
+                self.assertTrue(holder.capture_aux_hidden_states)
 
 if __name__ == "__main__":
     unittest.main()
