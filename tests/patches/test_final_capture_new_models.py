@@ -341,12 +341,10 @@ def test_in_loop_models_serve_both_sides_of_the_final_norm(sglang_tp1, name, val
 
 
 # The models whose last capture cannot follow the final norm: module, the class the
-# model runner configures. beam and inkling capture it inside their layer loops (two
-# loop variants each: a fused path, and inkling's capture precedes the layer's deferred
-# short convolution by design), deepseek_v4's final norm follows its hyper-connection
-# head.
+# model runner configures. inkling captures it inside its layer loops (its capture
+# precedes the layer's deferred short convolution by design), deepseek_v4's final norm
+# follows its hyper-connection head. (beam did, until beam-post-norm-capture.)
 REFUSE_POST_NORM = [
-    ("beam", "BeamForCausalLM"),
     ("inkling", "InklingForConditionalGeneration"),
     ("deepseek_v4", "DeepseekV4ForCausalLM"),
 ]
@@ -434,3 +432,25 @@ def test_capturing_model_runs_no_layer_through_tbo_stages(sglang_tp1, name):
     assert not stages.called, f"{name}: layers went through the TBO stages while capturing"
     torch.testing.assert_close(pack_aux_hidden_states(aux),
                                torch.cat([_after(embeds, 1), _after(embeds, 2)], dim=-1))
+
+
+@pytest.mark.guards("beam-post-norm-capture")
+def test_beam_is_configured_for_post_norm(sglang_tp1):
+    """BeamForCausalLM no longer refuses post_norm at start-up: the model runner sets it
+    and calls the DFlash setter (its loops take the last capture after the final norm,
+    which the model matrix checks for both loops)."""
+    from torch import nn
+
+    from sglang.srt.layers.aux_hidden_states import final_layer_capture_post_norm, set_final_layer_capture
+    from sglang.srt.models.beam import BeamForCausalLM
+
+    model = BeamForCausalLM.__new__(BeamForCausalLM)
+    nn.Module.__init__(model)
+    set_calls = []
+    model.set_dflash_layers_to_capture = set_calls.append
+    model.set_dspark_layers_to_capture = set_calls.append
+    try:
+        _configure(model, "post_norm")
+        assert set_calls == [[0, 1]] and final_layer_capture_post_norm()
+    finally:
+        set_final_layer_capture("pre_norm")

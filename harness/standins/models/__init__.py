@@ -75,7 +75,8 @@ class ModelSpec:
     # reference, "V" deepstack lost or multiplied under a deferred all-reduce, or
     # captured before it. "G" (0.5.23) a packer model's packer is not
     # ``AuxHiddenStatePacker.for_batch`` (no shared ``aux_hidden_states_buffer``) and its
-    # CausalLM has no ``get_aux_hidden_states_width``.
+    # CausalLM has no ``get_aux_hidden_states_width``. "P" (0.5.23) the model runner
+    # refuses a post_norm last-layer capture the model's loops could serve.
     pin_bugs: frozenset = frozenset()
     construct: Callable = _default_construct
     configure: Callable = _set_layers_to_capture

@@ -30,12 +30,12 @@ and the last; three dense MLP layers, then MoE.
 Captures: DFlash only (``set_dflash_layers_to_capture``; ids are layer outputs, PP=1
 only): after layer ``i`` for ``i in layers_to_capture``, the layer's output (plain
 loop) or the residual stream the fused transition returns (fused loop), the last
-layer's inside the loop, before the final norm; ``post_norm`` is refused at start-up
-(final-layer-capture). A plain list (B). The spec sets ``layers_to_capture`` (capture
-index ``i`` = id ``i - 1``). Two specs: ``beam`` (the fused loop) and
-``beam_unfused`` (the plain loop). ``post_norm=False``: the matrix runs no post-norm
-case (the refusal is tested in tests/patches/test_final_capture_new_models.py). No
-layer boundaries, so both trace fullgraph (``TRACES_FULLGRAPH``).
+layer's inside the loop, before the final norm; ``post_norm`` was refused at start-up
+(final-layer-capture: "P"), and with beam-post-norm-capture both loops take the last
+capture after the final norm instead (the matrix's post-norm cases, guarded by it). A
+plain list (B). The spec sets ``layers_to_capture`` (capture index ``i`` = id
+``i - 1``). Two specs: ``beam`` (the fused loop) and ``beam_unfused`` (the plain
+loop). No layer boundaries, so both trace fullgraph (``TRACES_FULLGRAPH``).
 """
 
 from __future__ import annotations
@@ -193,11 +193,10 @@ def _spec(name, fused, note):
         run=_run,
         # B: list + cat. DFlash only (no EAGLE3 setter; the model runner refuses
         # EAGLE3 with one error): not a bug letter.
-        pin_bugs=frozenset({"B"}),
-        fixed_by={"B": "beam-aux-packer"},
-        # The model runner refuses post_norm for BeamForCausalLM at start-up
-        # (final-layer-capture; tests/patches/test_final_capture_new_models.py).
-        post_norm=False,
+        # P: post_norm refused at start-up (final-layer-capture's declaration), served
+        # by beam-post-norm-capture.
+        pin_bugs=frozenset({"B", "P"}),
+        fixed_by={"B": "beam-aux-packer", "P": "beam-post-norm-capture"},
         wraps=("beam.py: BeamForCausalLM (set_dflash_layers_to_capture only, PP=1)",),
         note=note,
     )
@@ -208,7 +207,7 @@ SPECS = [
           "The fused loop (BeamModel._forward_fused, the default): after layer i for i in "
           "layers_to_capture, the residual stream forward_fused returns (pristine beam.py "
           "1226-1227), the last layer's in the loop: K of K; a plain list. The final "
-          "norm is the last fused transition's. post_norm refused at start-up."),
+          "norm is the last fused transition's."),
     _spec("beam_unfused", False,
           "The plain loop (fuse_layers off, as under CPU offload): after layer i for i "
           "in layers_to_capture, the layer's output (pristine beam.py 1164-1169), the "

@@ -35,9 +35,9 @@ from sglang.srt.model_executor.model_runner_components import (
     attention_backend_setup,
     spec_aux_hidden_state,
 )
-from sglang.srt.models.beam import BeamForCausalLM
 from sglang.srt.models.deepseek_v2 import DeepseekV2Model
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sglang.srt.models.inkling import InklingForConditionalGeneration
 from sglang.srt.models.llama import LlamaModel
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -318,7 +318,7 @@ class TestInLoopModelsRefusePostNorm(CustomTestCase):
             )
 
     def test_refused_at_start_up(self):
-        for model_cls in (BeamForCausalLM, DeepseekV4ForCausalLM):
+        for model_cls in (InklingForConditionalGeneration, DeepseekV4ForCausalLM):
             with self.subTest(model=model_cls.__name__):
                 model = model_cls.__new__(model_cls)
                 nn.Module.__init__(model)
