@@ -363,6 +363,9 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
             continue
         if not p.forwarded:
             progress(f"{p.id}: Forwarded: {p.trailers.get('Forwarded', '?')}; no bundle")
+            if (out / p.id).exists():  # written while it was forwarded: not a PR now
+                shutil.rmtree(out / p.id)
+                progress(f"  removed {lay.rel(out / p.id)}, its earlier bundle")
             continue
         tmpl = template_for(p.id, lay.base)
         if tmpl is None:

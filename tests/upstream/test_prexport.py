@@ -391,3 +391,16 @@ def test_pr_body_fork_markers():
             "on /work/main/build, harness/upstream/x.py")
     assert fork_markers(body) == ["/work/main/build,", "Fork-Testing:", "Patch-Id:",
                                   "harness/upstream/x.py", "make ablation", "tests/patches/test_a.py"]
+
+
+def test_a_patch_no_longer_forwarded_loses_its_earlier_bundle(tmp_path, monkeypatch):
+    """A bundle written while its patch was forwarded is removed once it is not: a PR
+    directory in build/pr is one to open."""
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch, later="def answer():\n    return 6 * 7\n")
+    stale = root / "build" / "pr" / "change-answer"
+    stale.mkdir(parents=True)
+    (stale / "description.md").write_text("old\n")
+    [d] = export_from_base(layout(root, base=BASE))
+    assert d.name == "fix-answer" and not stale.exists()
