@@ -7,8 +7,8 @@ label), ``Fix:`` (Modifications), ``Related:`` (the patch's own threads). What i
 the files changed, the PRs to merge first (by title), how the PR relates to each
 upstream thread on aux hidden state capture (:data:`THREADS`), and the result of its
 unit test on a clean checkout without and with the change. The fork's trailers,
-``Fork-Testing:`` and its paths never reach it (:func:`fork_markers` says where one
-did; pr-export refuses such a body).
+``Fork-Testing:`` and its paths never reach it (:func:`strip_trailers` drops them,
+:func:`fork_markers` says where one is left; pr-export refuses such a body).
 """
 
 from __future__ import annotations
@@ -58,14 +58,38 @@ _DEFAULT_RELATION = {
 FINAL_LAYER_IDS = frozenset({"models-capture-final-layer", "dsv2-capture-final-layer",
                              "final-layer-capture", "post-norm-ignored-warning"})
 
-# What a bundle body must not carry: the fork's trailers, sections, paths and targets,
-# and this machine's paths.
+# The series' own trailers, which an upstream body drops.
+INTERNAL_TRAILERS = ("Patch-Id", "Origin", "Forwarded", "Upstream-Status", "Drop-In", "Upstream-Probe")
+# Paragraphs of a series body that only the fork reads; pr-export drops them.
+FORK_SECTIONS = ("Fork-Testing:",)
+# This repository's paths and make targets, which an upstream body must not name.
+FORK_PATH = re.compile(r"tests/(?:multirank|patches|parity|e2e|memory|upstream|standins)/\S*"
+                       r"|make [a-z-]+|harness/\S+|BASE=\S+")
+# What a bundle body must not carry: the fork's trailers and sections, its paths and
+# targets, and this machine's paths.
 _FORK_MARKERS = re.compile(
-    r"^(?:Patch-Id|Origin|Forwarded|Upstream-Status|Drop-In|Upstream-Probe|Fork-Testing):"
-    r"|tests/(?:multirank|patches|parity|e2e|memory|upstream|standins)/\S*"
-    r"|\bmake [a-z-]+|harness/\S+|\bBASE=\S+|/work/\S+|\bauxcap\b",
+    "^(?:" + "|".join(INTERNAL_TRAILERS + tuple(x.rstrip(":") for x in FORK_SECTIONS)) + "):"
+    "|" + FORK_PATH.pattern + r"|/work/\S+|\bauxcap\b",
     re.M,
 )
+
+
+def strip_trailers(body: str) -> str:
+    """Commit body without our internal trailer paragraph and the fork-only paragraphs
+    (``Fork-Testing:``: the fork's own tests, which mean nothing upstream)."""
+    paras = body.strip().split("\n\n")
+    if paras:
+        last = paras[-1].splitlines()
+        if last and all(re.match(r"^[A-Za-z][A-Za-z0-9-]*:\s", x) for x in last):
+            kept = [x for x in last if x.split(":", 1)[0] not in INTERNAL_TRAILERS]
+            paras = paras[:-1] + (["\n".join(kept)] if kept else [])
+    paras = [x for x in paras if not x.startswith(FORK_SECTIONS)]
+    return "\n\n".join(paras).strip()
+
+
+def fork_paths(body: str) -> list[str]:
+    """What an upstream body must not name: this repository's paths and make targets."""
+    return sorted(set(FORK_PATH.findall(body)))
 
 
 def kind(patch_id: str) -> str:
@@ -117,12 +141,11 @@ def _accuracy(patch_id: str) -> list[str]:
 
 
 def base_description(p: Any, release: str, test_path: str, deps: list, stat: str,
-                     without: dict, with_patch: dict, strip) -> str:
+                     without: dict, with_patch: dict) -> str:
     """The bundle's description.md. ``p``: the series patch (``subject``, ``body``,
-    ``id``); ``deps``: the patches to merge first; ``strip``: the function that drops
-    the fork's trailers and sections from a body; ``without``/``with_patch``: the unit
+    ``id``); ``deps``: the patches to merge first; ``without``/``with_patch``: the unit
     test's runs on a clean checkout (``rc``, ``summary``, ``tail``)."""
-    body = strip(p.body)
+    body = strip_trailers(p.body)
     lines = [f"# {p.subject}", "", "## Motivation", "", motivation(body), ""]
     lines += ["## Modifications", ""]
     fix = section(body, "Fix")

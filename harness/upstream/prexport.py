@@ -41,15 +41,11 @@ from harness.patchset.layout import Layout, layout
 from harness.patchset.pin import load_pin
 from harness.patchset.scratch import scratch
 from harness.upstream import prbody, zygote
+from harness.upstream.prbody import fork_paths, strip_trailers
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PUSH_REF = "refs/heads/auxcap/{id}"
 DEFAULT_TEST_DIR = "test/registered/spec"
-INTERNAL_TRAILERS = ("Patch-Id", "Origin", "Forwarded", "Upstream-Status", "Drop-In", "Upstream-Probe")
-# Paragraphs of a series body that only the fork reads; pr-export drops them.
-FORK_SECTIONS = ("Fork-Testing:",)
-FORK_PATH = re.compile(r"tests/(?:multirank|patches|parity|e2e|memory|upstream|standins)/\S*"
-                       r"|make [a-z-]+|harness/\S+|BASE=\S+")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,24 +68,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def strip_trailers(body: str) -> str:
-    """Commit body without our internal trailer paragraph and the fork-only paragraphs
-    (``Fork-Testing:``: the fork's own tests, which mean nothing upstream)."""
-    paras = body.strip().split("\n\n")
-    if paras:
-        last = paras[-1].splitlines()
-        if last and all(re.match(r"^[A-Za-z][A-Za-z0-9-]*:\s", x) for x in last):
-            kept = [x for x in last if x.split(":", 1)[0] not in INTERNAL_TRAILERS]
-            paras = paras[:-1] + (["\n".join(kept)] if kept else [])
-    paras = [x for x in paras if not x.startswith(FORK_SECTIONS)]
-    return "\n\n".join(paras).strip()
-
-
-def fork_paths(body: str) -> list[str]:
-    """What an upstream body must not name: this repository's paths and make targets."""
-    return sorted(set(FORK_PATH.findall(body)))
 
 
 def template_for(patch_id: str, base: str | None = None) -> tuple[str, str] | None:
@@ -293,13 +271,12 @@ def _description(lay, p, target, test_path, deps, notes, stat, info) -> str:
     lines = [f"# {p.subject}", ""]
     if notes:
         lines += ["> " + n for n in notes] + [""]
-    lines += ["## Motivation", "", strip_trailers(p.body).split("\n\nFix:")[0].strip(), ""]
-    lines += ["## Change", ""]
     body = strip_trailers(p.body)
-    m = re.search(r"(?ms)^Fix:\s*(.+?)(?:\n\n[A-Z][a-z]+:|\Z)", body)
-    if m:
-        change = m.group(1).strip()
-        lines += [change[:1].upper() + change[1:], ""]
+    lines += ["## Motivation", "", body.split("\n\nFix:")[0].strip(), ""]
+    lines += ["## Change", ""]
+    change = prbody.section(body, "Fix")
+    if change:
+        lines += [change, ""]
     lines += [f"Based on SGLang v{target}. Files:", "", "```", stat, "```", ""]
     if origin.startswith("new, port of"):
         lines += [f"Port of {origin.split('port of', 1)[1].strip()}.", ""]
@@ -422,8 +399,7 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
         (dest / "upstream_test.py").write_text(test_src)
         patch_names = [f.name for f in pf]
         (dest / "title.txt").write_text(p.subject + "\n")
-        desc = prbody.base_description(p, release, test_path, deps, stat, without, with_patch,
-                                       strip=strip_trailers)
+        desc = prbody.base_description(p, release, test_path, deps, stat, without, with_patch)
         leaked = prbody.fork_markers(desc + "\n" + strip_trailers(p.body))
         if leaked:
             raise HarnessError(f"{p.id}: the PR body carries the fork's {', '.join(leaked)}")
