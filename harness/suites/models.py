@@ -29,6 +29,19 @@ def get_model(name: str):
     return _MODELS[name]
 
 
+def bare(cls, **attrs):
+    """SGLang's real ``cls`` (an ``nn.Module``) created without its __init__, which would
+    build its weights, holding only ``attrs``: what the code under test reads (e.g. a
+    CausalLM's setters: its model, pipeline group, config and capture flag)."""
+    from torch import nn
+
+    obj = cls.__new__(cls)
+    nn.Module.__init__(obj)
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    return obj
+
+
 def num_layers(model) -> int:
     from harness.standins.models import specs
 

@@ -37,19 +37,14 @@ EAGLE3_ADDED = ("arcee", "glm4", "granitemoehybrid")
 
 
 def _lm(module: str, cls: str, model_cls: str):
-    from torch import nn
+    from harness.suites.models import bare
 
     mod = importlib.import_module(f"sglang.srt.models.{module}")
-    lm = getattr(mod, cls).__new__(getattr(mod, cls))
-    nn.Module.__init__(lm)
-    model = getattr(mod, model_cls).__new__(getattr(mod, model_cls))
-    nn.Module.__init__(model)
-    model.layers_to_capture = []
-    lm.model = model
-    lm.config = types.SimpleNamespace(num_hidden_layers=LAYERS)
-    lm.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=False)
-    lm.capture_aux_hidden_states = False
-    return lm
+    return bare(getattr(mod, cls),
+                model=bare(getattr(mod, model_cls), layers_to_capture=[]),
+                config=types.SimpleNamespace(num_hidden_layers=LAYERS),
+                pp_group=types.SimpleNamespace(is_first_rank=True, is_last_rank=False),
+                capture_aux_hidden_states=False)
 
 
 @pytest.mark.parametrize("module, cls, model_cls", ADDED, ids=[m for m, _, _ in ADDED])

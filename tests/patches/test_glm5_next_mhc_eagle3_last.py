@@ -23,21 +23,15 @@ HC_MULT = 4
 
 
 def _wrapper(mhc: bool):
-    from torch import nn
-
     from sglang.srt.models.glm5_next import Glm5NextForConditionalGeneration, Glm5NextModel
 
-    wrapper = Glm5NextForConditionalGeneration.__new__(Glm5NextForConditionalGeneration)
-    nn.Module.__init__(wrapper)
-    model = Glm5NextModel.__new__(Glm5NextModel)
-    nn.Module.__init__(model)
-    model.layers_to_capture = []
-    model.dflash_capture = False
-    wrapper.model = model
-    wrapper.pp_group = types.SimpleNamespace(is_last_rank=True, is_first_rank=True)
-    wrapper.config = types.SimpleNamespace(num_hidden_layers=LAYERS, mhc=mhc, hc_mult=HC_MULT)
-    wrapper.capture_aux_hidden_states = False
-    return wrapper
+    from harness.suites.models import bare
+
+    return bare(Glm5NextForConditionalGeneration,
+                model=bare(Glm5NextModel, layers_to_capture=[], dflash_capture=False),
+                pp_group=types.SimpleNamespace(is_last_rank=True, is_first_rank=True),
+                config=types.SimpleNamespace(num_hidden_layers=LAYERS, mhc=mhc, hc_mult=HC_MULT),
+                capture_aux_hidden_states=False)
 
 
 @GUARD

@@ -20,20 +20,15 @@ GUARD = pytest.mark.guards("qwen4-exp-refuses-captures")
 
 
 def _wrapper():
-    from torch import nn
-
     from sglang.srt.models.qwen4_exp import Qwen4ExpForConditionalGeneration, Qwen4ExpVLModel
 
-    wrapper = Qwen4ExpForConditionalGeneration.__new__(Qwen4ExpForConditionalGeneration)
-    nn.Module.__init__(wrapper)
-    model = Qwen4ExpVLModel.__new__(Qwen4ExpVLModel)
-    nn.Module.__init__(model)
-    model.layers_to_capture = []
-    wrapper.model = model
-    wrapper.pp_group = types.SimpleNamespace(is_last_rank=True, is_first_rank=True)
-    wrapper.config = types.SimpleNamespace(num_hidden_layers=8)
-    wrapper.capture_aux_hidden_states = False
-    return wrapper
+    from harness.suites.models import bare
+
+    return bare(Qwen4ExpForConditionalGeneration,
+                model=bare(Qwen4ExpVLModel, layers_to_capture=[]),
+                pp_group=types.SimpleNamespace(is_last_rank=True, is_first_rank=True),
+                config=types.SimpleNamespace(num_hidden_layers=8),
+                capture_aux_hidden_states=False)
 
 
 @GUARD
