@@ -7,12 +7,10 @@ are layer outputs, each a snapshot after its layer; the last layer's is taken
 in the loop, or after the final norm under ``post_norm``) collects into
 AuxHiddenStatePacker instead: each capture is copied once into its slot of
 one [T, K * H] buffer, which is what the forward returns and what
-pack_aux_hidden_states hands on unchanged. On a later pipeline stage the
-captures of earlier stages (``pp_proxy_tensors["dspark_hidden_states"]``, K'
-slots wide) take the first K' slots, and a stage that is not the last sends
-its packed buffer on. A DSpark decode CUDA graph passes a slice of one shared
-buffer on the batch (aux_hidden_states_buffer), sized by
-KimiLinearForCausalLM.get_aux_hidden_states_width.
+pack_aux_hidden_states hands on unchanged. Pipeline stages keep the list, as
+kimi_k3's do (packs_aux_hidden_states). A DSpark decode CUDA graph passes a
+slice of one shared buffer on the batch (aux_hidden_states_buffer), sized by
+KimiLinearForCausalLM.get_aux_hidden_states_width (0 on a pipeline stage).
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
 norm are small stand-ins on the real residual stream
@@ -31,7 +29,7 @@ from sglang.srt.layers.aux_hidden_states import (
 )
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
-from sglang.srt.model_executor.forward_batch_info import ForwardMode, PPProxyTensors
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.kimi_linear import KimiLinearForCausalLM, KimiLinearModel
 from sglang.srt.runtime_context import get_parallel
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -44,14 +42,6 @@ TOKENS = 5
 NUM_LAYERS = 4
 
 
-class _FromPP:
-    """A pipeline stage's entry: a fresh stream holding the received output."""
-
-    def from_pp(self, pp_proxy_tensors, forward_batch):
-        residual_batch.start(forward_batch)
-        return pp_proxy_tensors["hidden_states"]
-
-
 class _Layer(nn.Module):
     """Completes the previous layer's output at its boundary and adds
     ``layer_id + 1``, left to the next boundary (or the final norm)."""
@@ -59,7 +49,6 @@ class _Layer(nn.Module):
     def __init__(self, layer_id):
         super().__init__()
         self.layer_id = layer_id
-        self.attn_boundary = _FromPP()
 
     def forward(self, positions, hidden_states, forward_batch, zero_allocator):
         hidden_states = residual_batch.fold(hidden_states, forward_batch)
@@ -78,15 +67,15 @@ class _InPlaceNorm(nn.Module):
         return hidden_states, residual
 
 
-def _model(layer_ids=None, start_layer=0, end_layer=NUM_LAYERS):
+def _model(layer_ids=None):
     model = KimiLinearModel.__new__(KimiLinearModel)
     nn.Module.__init__(model)
     model.layers = nn.ModuleList([_Layer(i) for i in range(NUM_LAYERS)])
-    model.start_layer, model.end_layer = start_layer, end_layer
+    model.start_layer, model.end_layer = 0, NUM_LAYERS
     model.dspark_layers_to_capture = None if layer_ids is None else list(layer_ids)
     model.norm = _InPlaceNorm()
     model.pp_group = types.SimpleNamespace(
-        is_first_rank=start_layer == 0, is_last_rank=end_layer == NUM_LAYERS
+        is_first_rank=True, is_last_rank=True, world_size=1
     )
     model.config = types.SimpleNamespace(hidden_size=HIDDEN)
     return model
@@ -160,51 +149,19 @@ class TestKimiLinearAuxPacker(CustomTestCase):
         torch.testing.assert_close(shared[:TOKENS], _expected(embeds, layer_ids))
         self.assertTrue(torch.isnan(shared[TOKENS:]).all())
 
-    def test_pipeline_stages_carry_their_captures_in_slots(self):
-        # Stage 0 takes layers 0-1 and sends its two captures, packed; stage 1
-        # puts them in its first two slots, then the output of layer 3.
-        layer_ids = [0, 1, NUM_LAYERS - 1]
-        embeds = torch.randn(TOKENS, HIDDEN)
-        proxy = _run(_model(layer_ids, end_layer=2), embeds.clone())
-        sent = proxy["dspark_hidden_states"]
-        self.assertEqual(tuple(sent.shape), (TOKENS, 2 * HIDDEN))
-        torch.testing.assert_close(sent, _expected(embeds, [0, 1]))
-        stream = proxy["hidden_states"] + proxy.tensors.get("residual", 0)
-        received = PPProxyTensors(
-            {"hidden_states": stream, "dspark_hidden_states": sent}
-        )
-        _, aux = _run(
-            _model(layer_ids, start_layer=2),
-            torch.empty(0, HIDDEN),
-            pp_proxy_tensors=received,
-        )
-        self.assertIsInstance(aux, torch.Tensor)
-        torch.testing.assert_close(aux, _expected(embeds, layer_ids))
-
     def test_no_capture_returns_hidden_states_alone(self):
         out = _run(_model(), torch.randn(TOKENS, HIDDEN))
         self.assertIsInstance(out, torch.Tensor)
 
     def test_causal_lm_reports_the_packed_width(self):
-        def causal_lm(**stage):
-            lm = KimiLinearForCausalLM.__new__(KimiLinearForCausalLM)
-            nn.Module.__init__(lm)
-            lm.model = _model(**stage)
-            lm.config = types.SimpleNamespace(hidden_size=HIDDEN)
-            lm.capture_aux_hidden_states = False
-            return lm
-
-        lm = causal_lm()
+        lm = KimiLinearForCausalLM.__new__(KimiLinearForCausalLM)
+        nn.Module.__init__(lm)
+        lm.model = _model()
+        lm.config = types.SimpleNamespace(hidden_size=HIDDEN)
+        lm.capture_aux_hidden_states = False
         self.assertEqual(lm.get_aux_hidden_states_width(), 0)
         lm.set_dspark_layers_to_capture([0, 2, NUM_LAYERS - 1])
         self.assertEqual(lm.get_aux_hidden_states_width(), 3 * HIDDEN)
-        # A pipeline stage packs the ids of earlier stages too, none after it.
-        first = causal_lm(end_layer=2)
-        first.set_dspark_layers_to_capture([0, 2, NUM_LAYERS - 1])
-        self.assertEqual(first.get_aux_hidden_states_width(), HIDDEN)
-        last = causal_lm(start_layer=2)
-        last.set_dspark_layers_to_capture([0, 2, NUM_LAYERS - 1])
-        self.assertEqual(last.get_aux_hidden_states_width(), 3 * HIDDEN)
 
 
 if __name__ == "__main__":
