@@ -8,9 +8,13 @@ passes without its patch, fails with it, or when a patch has no regression test.
 
 The runs are independent (each its own pytest process on its own tree), so they go
 two at a time on two cores or more (``--jobs``), each with the cores shared out
-(``--workers``): a run's fixed cost (collection, its workers and rank pools importing
-SGLang from its tree) then overlaps another run's tests. The full series goes first,
-the longest run. Each run's output is in build/results/ablation/<run>.log.
+(``--workers``): a run's fixed cost (collection, its rank pools importing SGLang from
+its tree) then overlaps another run's tests. The full series goes first, the longest
+run. Each run forks from this process after it has imported the third-party packages
+SGLang pulls in (``harness.zygote.preload``: torch, transformers, flashinfer, ...), never
+SGLang itself, and runs pytest in-process with one worker (``-n 0``), so a run imports
+only SGLang from its own tree, not its dependencies again. Each run's output is in
+build/results/ablation/<run>.log.
 
 Results: a table on stdout, build/results/ablation.json and ablation.md.
 """
@@ -18,11 +22,13 @@ Results: a table on stdout, build/results/ablation.json and ablation.md.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
-import subprocess
+import signal
 import sys
 import time
+import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -41,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patch", action="append", default=[], metavar="PATCH_ID",
                    help="only these patches (default: all)")
     p.add_argument("-n", "--workers", default="auto",
-                   help="pytest-xdist workers per run (default: the cores over --jobs, at least 1)")
+                   help="pytest-xdist workers per run (default: the cores over --jobs, at least 1; "
+                        "1 runs the tests in the run's own process)")
     p.add_argument("-j", "--jobs", type=int, default=0,
                    help="pytest runs at once, each on its own tree (default: 2 on 2 cores or "
                         "more, else 1)")
@@ -86,7 +93,7 @@ def _variant_tree(lay, index: int, pid: str) -> Path:
 
 
 class _Run:
-    """One pytest run of the ablation, started in the background (its output goes to
+    """One pytest run of the ablation, forked from this process (its output goes to
     ``<label>.log`` next to its junit file)."""
 
     def __init__(self, lay, label: str, guards: list[str], sglang_path: Path | None,
@@ -102,21 +109,36 @@ class _Run:
         env.pop("HARNESS_SGLANG_PATH", None)
         if sglang_path is not None:
             env["HARNESS_SGLANG_PATH"] = str(sglang_path)
-        cmd = [sys.executable, "-m", "pytest", "-p", "xdist", "-n", workers, "--dist", "loadgroup",
-               "-q", "--tb=line", "--junitxml", str(self.junit), "--e2e", "tests"]
+        # One worker: the run's own process (it inherits the preloaded packages).
+        args = ["-p", "xdist", "-n", "0" if workers == "1" else workers, "--dist", "loadgroup",
+                "-q", "--tb=line", "--junitxml", str(self.junit), "--e2e", "tests"]
         for g in guards:
-            cmd += ["--guards", g]
-        cmd += extra
+            args += ["--guards", g]
+        args += extra
         where = "installed patched build" if sglang_path is None else lay.rel(sglang_path)
         print(f"[ablation] {label}: {' '.join('--guards ' + g for g in guards)} on {where} "
               f"({workers} worker(s))", flush=True)
+        sys.stderr.flush()
         self.t0 = time.monotonic()
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=lay.root, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.rc: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            _pytest_child(args, env, self.log, lay.root)
+
+    def poll(self) -> int | None:
+        if self.rc is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.rc = os.waitstatus_to_exitcode(status)
+                self._sweep()
+        return self.rc
 
     def finish(self) -> dict[str, dict[str, str]]:
-        rc = self.proc.wait()
+        if self.rc is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.rc = os.waitstatus_to_exitcode(status)
+            self._sweep()
+        rc = self.rc
         print(f"[ablation] {self.label}: pytest exit {rc} in {time.monotonic() - self.t0:.0f}s",
               flush=True)
         if not self.junit.exists():
@@ -126,10 +148,58 @@ class _Run:
                                f"{self.lay.rel(self.log)}): {why}")
         return _parse_junit(self.junit)
 
+    def _sweep(self) -> None:
+        """Whatever the run left in its process group (it leads one)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if self.rc is None:
+            self._sweep()
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+            self.rc = -signal.SIGKILL
+
+
+def _pytest_child(args: list[str], env: dict[str, str], log: Path, root: Path) -> None:
+    """In a forked child: its own process group and session (the parent's kill takes its
+    descendants that stay in it), stdin from /dev/null, stdout and stderr (descriptors
+    too) to ``log``, ``env`` as its environment, ``pytest.main(args)`` in ``root``; then
+    the exit handlers the run registered (its rank pools' and engines' closes), not the
+    parent's; exits with pytest's status."""
+    rc = 1
+    try:
+        os.setsid()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        atexit._clear()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        # Python's streams onto them too (a parent's may be replaced, as under pytest).
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(root)
+        import pytest
+
+        rc = int(pytest.main(args))
+        atexit._run_exitfuncs()
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported in the run's log, then exit
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
 
 def _run_all(lay, runs: list[tuple[str, list[str], Path | None]], jobs: int, workers: str,
@@ -144,7 +214,7 @@ def _run_all(lay, runs: list[tuple[str, list[str], Path | None]], jobs: int, wor
             while pending and len(active) < jobs:
                 label, guards, tree = pending.pop(0)
                 active.append(_Run(lay, label, guards, tree, workers, extra))
-            done = next((r for r in active if r.proc.poll() is not None), None)
+            done = next((r for r in active if r.poll() is not None), None)
             if done is None:
                 time.sleep(0.5)
                 continue
@@ -188,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
         if pid in wanted:
             runs.append((f"without-{pid}", [pid], _variant_tree(lay, index, pid)))
     jobs = _jobs(args.jobs, len(runs))
+    from harness.zygote import preload
+
+    preload()  # once, here: every run forks with them imported
     results = _run_all(lay, runs, jobs, _workers(args.workers, jobs), extra)
     with_all = results["full-series"]
     without = {pid: results[f"without-{pid}"] for _, pid in patches if pid in wanted}

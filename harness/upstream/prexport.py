@@ -40,7 +40,8 @@ from harness.patchset.git import git
 from harness.patchset.layout import Layout, layout
 from harness.patchset.pin import load_pin
 from harness.patchset.scratch import scratch
-from harness.upstream import prbody, zygote
+from harness import zygote
+from harness.upstream import prbody
 from harness.upstream.prbody import fork_paths, strip_trailers
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -374,7 +375,7 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
             # Verify on fresh pristine trees, as a reviewer would: apply --check, then
             # the test without the patch (must fail) and with it (must pass). The two
             # runs are independent (each a fork that imports SGLang from its own tree:
-            # harness.upstream.zygote), so they go side by side on two trees.
+            # harness.zygote), so they go side by side on two trees.
             without_tree, with_tree = (_test_tree(lay, name, tag) for name in ("without", "with"))
             for tree in (without_tree, with_tree):
                 for d in sorted((dest / "deps").glob("*.patch")) if deps else []:
@@ -562,7 +563,7 @@ def _test_result(rc: int, log: Path, tree: Path) -> dict[str, Any]:
     output = (f"timed out after {TEST_TIMEOUT}s\n" if rc == 124 else "") + log.read_text(errors="replace")
     output = re.sub(r'"[^"\n]*/site-packages/', '"site-packages/', output.replace(f"{tree.resolve()}/", "").replace(f"{tree}/", ""))
     # The runner's own frame (it runs the test as __main__) and the line it quotes.
-    output = re.sub(r'(?m)^\s*File "[^"\n]*/harness/upstream/zygote\.py".*\n(?:\s{4,}\S.*\n)?', "", output)
+    output = re.sub(r'(?m)^\s*File "[^"\n]*/harness/zygote\.py".*\n(?:\s{4,}\S.*\n)?', "", output)
     lines = [x for x in output.strip().splitlines() if x.strip()]
     tail = [x for x in lines if not x.lstrip().startswith(("warnings.warn", "/"))][-12:]
     summary = next((x for x in reversed(lines) if x.startswith(("OK", "FAILED", "Ran "))), f"exit {rc}")

@@ -1,9 +1,10 @@
 """The ablation's scheduler: runs side by side, the cores shared out, a run that writes
-no results is one error naming it (the pytest runs themselves: `make ablation`)."""
+no results is one error naming it, a run is pytest forked into a process group of its
+own with the environment it was given (the pytest runs themselves: `make ablation`)."""
 
 from __future__ import annotations
 
-import sys
+import os
 import types
 
 import pytest
@@ -34,9 +35,8 @@ class _FakeRun:
         _FakeRun.active += 1
         _FakeRun.most = max(_FakeRun.most, _FakeRun.active)
         _FakeRun.order.append(label)
-        self.proc = types.SimpleNamespace(poll=self._poll)
 
-    def _poll(self):
+    def poll(self):
         self.polls += 1
         return 0 if self.polls > 2 else None
 
@@ -66,13 +66,40 @@ def test_a_run_without_results_is_one_line_naming_it(tmp_path):
     run.junit = tmp_path / "none.xml"
     run.log = tmp_path / "without-p1.log"
     run.log.write_text("collecting ...\nImportError: no module named sglang\n\nexit\n")
-    import subprocess
+    import os
     import time
 
     run.t0 = time.monotonic()
-    run.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
+    run.rc = None
+    run.pid = os.fork()
+    if run.pid == 0:
+        os._exit(4)
     with pytest.raises(HarnessError) as exc:
         run.finish()
     msg = str(exc.value)
     assert msg.startswith("ablation run without-p1 produced no results (pytest exit 4; without-p1.log)")
     assert msg.endswith("ImportError: no module named sglang") and len(msg.splitlines()) == 1
+
+
+def test_a_run_is_pytest_in_a_process_group_of_its_own(tmp_path):
+    """The child a run forks: its own process group (the parent's kill takes what it
+    starts), the environment it was given (not this process's), its output in its log,
+    pytest's status as its exit code."""
+    (tmp_path / "test_probe.py").write_text(
+        "import os\n"
+        "def test_env():\n"
+        "    assert os.environ.get('PROBE') == 'given' and 'PYTEST_CURRENT_TEST' in os.environ\n"
+        "    assert os.getpgid(0) == os.getpid()\n"
+        "def test_fails():\n"
+        "    assert False, 'the probe fails'\n")
+    log = tmp_path / "run.log"
+    env = {k: v for k, v in os.environ.items() if k != "PROBE"}
+    pid = os.fork()
+    if pid == 0:
+        ablation._pytest_child(["-q", "-p", "no:cacheprovider", "test_probe.py"],
+                               dict(env, PROBE="given"), log, tmp_path)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 1  # pytest: tests failed
+    text = log.read_text()
+    assert "1 failed, 1 passed" in text and "the probe fails" in text
+    assert "PROBE" not in os.environ

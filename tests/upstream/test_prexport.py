@@ -242,7 +242,7 @@ def test_bundle_evidence_shows_the_reviewers_paths(tmp_path):
         "Traceback (most recent call last):\n"
         f'  File "{tree}/python/sglang/test/test_utils.py", line 2452, in _callTestMethod\n'
         f'  File "{tmp_path}/.tox/test/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1, in f\n'
-        f'  File "{tmp_path}/harness/upstream/zygote.py", line 111, in _run_as_main\n'
+        f'  File "{tmp_path}/harness/zygote.py", line 111, in _run_as_main\n'
         "    runpy.run_path(test_path, run_name=\"__main__\")\n"
         "AttributeError: 'X' object has no attribute 'get_aux_hidden_states_width'\n"
         "FAILED (errors=1)\n")

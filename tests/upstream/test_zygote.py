@@ -1,9 +1,9 @@
-"""pr-export's test runner (harness.upstream.zygote): each run is ``python3 <test>`` in
+"""pr-export's test runner (harness.zygote): each run is ``python3 <test>`` in
 its tree, side by side, with its status, its output in its log, and a deadline."""
 
 from __future__ import annotations
 
-from harness.upstream.zygote import TIMED_OUT, Zygote
+from harness.zygote import TIMED_OUT, Zygote
 
 
 def _tree(tmp_path, name, body, package_body="VALUE = 1\n"):

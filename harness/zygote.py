@@ -1,16 +1,19 @@
-"""pr-export's test runner: a process of its own that imports the third-party packages
-a bundle's unit test pulls in through SGLang (about 45 s of a 50 s run on 2 cores) once,
-then forks one child per run. Each child puts its clean tree's ``python/`` first on
-``sys.path`` and runs the test as ``__main__``, as ``python3 <test>`` in that tree
-would, so SGLang always comes from the tree it verifies: the zygote never imports it
-(checked at start-up).
+"""Processes that fork their test runs from one that has imported the third-party
+packages SGLang pulls in (torch, transformers, flashinfer, ...: most of a short run's
+start-up on 2 cores) once, never SGLang itself (checked: :func:`preload`), so each run
+imports SGLang from the tree it tests.
 
-It is pr-export's own (one per process, started at the first run, stopped at exit),
-unlike multiprocessing's forkserver, which every user in a process shares: a rank pool
-in the same process may have started that one with SGLang loaded.
+* pr-export's test runner, :class:`Zygote`: a process of its own that forks one child
+  per run. Each child puts its clean tree's ``python/`` first on ``sys.path`` and runs
+  the test as ``__main__``, as ``python3 <test>`` in that tree would. It is pr-export's
+  own (one per process, started at the first run, stopped at exit), unlike
+  multiprocessing's forkserver, which every user in a process shares: a rank pool in
+  the same process may have started that one with SGLang loaded.
+* The ablation's runs (``harness.suites.ablation``) fork from the ablation's own
+  process after :func:`preload`; it imports nothing of SGLang either.
 
-Protocol (one export at a time): the client writes one JSON line per batch,
-``[[tree, test_path, log_path], ...]``; the zygote forks every run of the batch at
+Protocol of :class:`Zygote` (one export at a time): the client writes one JSON line per
+batch, ``[[tree, test_path, log_path], ...]``; the zygote forks every run of the batch at
 once, waits for them all (killing any still running after ``timeout`` seconds: status
 124), and answers one JSON line, the exit statuses in order.
 """
@@ -55,7 +58,7 @@ class Zygote:
         # thread each (set before the preload imports torch), unless the caller says.
         env.setdefault("OMP_NUM_THREADS", "1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.upstream.zygote", str(timeout), *preload],
+            [sys.executable, "-m", "harness.zygote", str(timeout), *preload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
 
     def run(self, runs: list[tuple[Path, str, Path]]) -> list[int]:
@@ -120,14 +123,20 @@ def _run_as_main(tree: str, test_path: str, log: str) -> None:
     os._exit(rc)
 
 
-def _serve(timeout: float, preload: list[str]) -> None:
-    for name in preload:
+def preload(names: tuple[str, ...] | list[str] = PRELOAD) -> None:
+    """Import ``names`` in this process, once, before it forks runs; raise when SGLang
+    got imported (runs must import it from their own tree)."""
+    for name in names:
         try:
             importlib.import_module(name)
         except Exception:  # absent, or broken without a GPU: a run imports it itself
             pass
     if any(m == "sglang" or m.startswith("sglang.") for m in sys.modules):
         raise SystemExit("a preloaded package imported sglang; runs must import it from their own tree")
+
+
+def _serve(timeout: float, names: list[str]) -> None:
+    preload(names)
     out = sys.stdout
     for line in sys.stdin:
         runs = json.loads(line)
