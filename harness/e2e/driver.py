@@ -89,6 +89,10 @@ class _EnvProcess(multiprocessing.Process):
         super().start()
 
     def run(self) -> None:
+        import signal
+
+        # The forkserver's SIGQUIT forwarding (harness.e2e.preload) is not the child's.
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
         env = getattr(self, "_harness_env", None)
         if env is not None:
             os.environ.clear()
