@@ -215,15 +215,26 @@ def gdn_backend(model_config, tp: int, request_lengths: Sequence[int]):
     the verify chain's intermediate states where it can, :func:`spec_draft_tokens`); requests
     take rows ``1..`` of the req-to-token pool, each with a zeroed mamba slot of its
     own."""
+    cfg = _gdn_config(model_config)
+    if cfg is None:
+        raise ValueError(f"{type(model_config.hf_config).__name__} is not a hybrid GDN config")
+    return state_pool_backend(model_config, cfg, tp, request_lengths)
+
+
+def state_pool_backend(model_config, cfg, tp: int, request_lengths: Sequence[int],
+                       **req_pool_kwargs: Any):
+    """``(req_to_token_pool, kv_pool, backend)`` of a hybrid model whose linear layers
+    keep per-request states in a mamba pool (``cfg``: its hybrid config, with
+    ``mamba2_cache_params`` and ``full_attention_layer_ids``): a ``HybridReqToTokenPool``
+    (``req_pool_kwargs`` on top), a ``HybridLinearKVPool``, and the backend
+    ``attn_backend_wrapper`` builds over ``torch_native``, as the model runner does; each
+    request (rows ``1..``) gets a zeroed slot of its own, as the scheduler gives it."""
     import torch
     from sglang.srt.layers.attention.attention_registry import attn_backend_wrapper
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
     from harness.parity.runner import attention_backend
 
-    cfg = _gdn_config(model_config)
-    if cfg is None:
-        raise ValueError(f"{type(model_config.hf_config).__name__} is not a hybrid GDN config")
     bs, total = len(request_lengths), sum(request_lengths)
     cache_params = cfg.mamba2_cache_params
     req_to_token = _build(
@@ -232,7 +243,7 @@ def gdn_backend(model_config, tp: int, request_lengths: Sequence[int]):
         max_context_len=max(request_lengths) + 8, device="cpu", enable_memory_saver=False,
         cache_params=cache_params, mamba_layer_ids=list(cache_params.layers),
         enable_mamba_extra_buffer=False, speculative_num_draft_tokens=spec_draft_tokens(),
-        enable_overlap_schedule=True, start_layer=0,
+        enable_overlap_schedule=True, start_layer=0, **req_pool_kwargs,
     )
     kv = _build(
         HybridLinearKVPool,

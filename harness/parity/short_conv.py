@@ -87,44 +87,17 @@ def backend(model_config, tp: int, request_lengths: Sequence[int]):
     tokens (rows ``1..`` of the req-to-token pool, each with a zeroed conv slot of its
     own), built as the model runner builds them for an EAGLE target (module
     docstring)."""
-    import torch
-    from sglang.srt.layers.attention.attention_registry import attn_backend_wrapper
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import (
         ShortConvHybridAttnBackend,
     )
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
-    from harness.parity.hybrid import _build, runner_view, spec_draft_tokens
-    from harness.parity.runner import attention_backend
+    from harness.parity.hybrid import state_pool_backend
 
-    cfg = _short_conv_config(model_config)
-    cache_params = cfg.mamba2_cache_params  # sharded by the attention-TP size
-    bs, total = len(request_lengths), sum(request_lengths)
-    req_to_token = _build(
-        HybridReqToTokenPool,
-        size=bs, mamba_size=bs, mamba_spec_state_size=bs,
-        max_context_len=max(request_lengths) + 8, device="cpu", enable_memory_saver=False,
-        cache_params=cache_params, mamba_layer_ids=list(cache_params.layers),
-        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=spec_draft_tokens(),
-        speculative_eagle_topk=1, enable_overlap_schedule=True, start_layer=0,
-    )
-    kv = _build(
-        HybridLinearKVPool,
-        page_size=1, size=total + 8, dtype=torch.float32,
-        head_num=model_config.get_num_kv_heads(tp), head_dim=model_config.head_dim,
-        full_attention_layer_ids=list(cfg.full_attention_layer_ids),
-        device="cpu", mamba_pool=req_to_token.mamba_pool,
-        enable_memory_saver=False, enable_kv_cache_copy=False, use_mla=False, start_layer=0,
-    )
-    full = attention_backend("torch_native", model_config, req_to_token, kv)
-    wrapped = attn_backend_wrapper(runner_view(model_config, req_to_token, kv), full)
+    # Each conv slot takes the verify tape of one draft chain (speculative_eagle_topk 1).
+    req_to_token, kv, wrapped = state_pool_backend(
+        model_config, _short_conv_config(model_config), tp, request_lengths,
+        speculative_eagle_topk=1)
     if not isinstance(wrapped, ShortConvHybridAttnBackend):
         raise TypeError(f"attn_backend_wrapper gave {type(wrapped).__name__}, "
                         "not a ShortConvHybridAttnBackend")
-    # The scheduler's part for new requests: a conv slot each, zeroed before use.
-    slots = req_to_token.mamba_allocator.alloc(bs)
-    if slots is None:
-        raise RuntimeError(f"no {bs} free conv slots")
-    req_to_token.req_index_to_mamba_index_mapping[1:bs + 1] = slots.to(torch.int32)
-    req_to_token.mamba_pool.clear_slots(slots)
     return req_to_token, kv, wrapped
