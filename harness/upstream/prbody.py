@@ -95,7 +95,7 @@ def fork_paths(body: str) -> list[str]:
 def kind(patch_id: str) -> str:
     """The bundle's kind for :data:`_RELATION`: a packer migration, a last-layer capture
     change, a Gemma 3 change, or another capture change."""
-    if patch_id.endswith(("aux-packer", "aux-packer-shared")):
+    if patch_id.endswith(("aux-packer", "aux-packer-shared", "aux-packer-infra")):
         return "packer"
     if patch_id in FINAL_LAYER_IDS:
         return "final-layer"
@@ -119,9 +119,9 @@ def section(body: str, label: str) -> str:
 
 
 def motivation(body: str) -> str:
-    """What precedes ``Fix:``, the ``Bug:`` label dropped."""
+    """What precedes ``Fix:``, the ``Bug:`` or ``Motivation:`` label dropped."""
     text = body.split("\n\nFix:")[0].strip()
-    text = re.sub(r"^Bug:\s*", "", text)
+    text = re.sub(r"^(?:Bug|Motivation):\s*", "", text)
     return text[:1].upper() + text[1:]
 
 
@@ -141,11 +141,12 @@ def _accuracy(patch_id: str) -> list[str]:
 
 
 def base_description(p: Any, release: str, test_path: str, deps: list, stat: str,
-                     without: dict, with_patch: dict) -> str:
-    """The bundle's description.md. ``p``: the series patch (``subject``, ``body``,
-    ``id``); ``deps``: the patches to merge first; ``without``/``with_patch``: the unit
-    test's runs on a clean checkout (``rc``, ``summary``, ``tail``)."""
-    body = strip_trailers(p.body)
+                     without: dict, with_patch: dict, body: str | None = None) -> str:
+    """The bundle's description.md. ``p``: the series patch or bundle (``subject``,
+    ``id``, and ``body`` unless ``body``, the upstream commit body, is given); ``deps``:
+    what to merge first (``subject``); ``without``/``with_patch``: the unit test's runs
+    on a clean checkout (``rc``, ``summary``, ``tail``)."""
+    body = strip_trailers(p.body) if body is None else body
     lines = [f"# {p.subject}", "", "## Motivation", "", motivation(body), ""]
     lines += ["## Modifications", ""]
     fix = section(body, "Fix")

@@ -41,7 +41,7 @@ from harness.patchset.layout import Layout, layout
 from harness.patchset.pin import load_pin
 from harness.patchset.scratch import scratch
 from harness import zygote
-from harness.upstream import prbody
+from harness.upstream import bundles, prbody
 from harness.upstream.prbody import fork_paths, strip_trailers
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -333,40 +333,54 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
     if git(lay.tree, "rev-parse", "-q", "--verify", f"refs/tags/{tag}", check=False).returncode != 0:
         raise HarnessError(f"{lay.rel(lay.tree)}: no tag {tag}; rebuild it with `make apply-patches BASE={release} FORCE=1`")
     patches = load_series(lay)
+    units = bundles.load(TEMPLATES / lay.base, patches)
     out = out or lay.build / "pr"
     written: list[Path] = []
     lock = _lock_trees(lay)  # noqa: F841 (held until this function returns)
-    for idx, p in enumerate(patches):
-        if only and p.id not in only:
+    for u in units:
+        if only and u.id not in only and not set(u.ids) & set(only):
             continue
-        if not p.forwarded:
-            progress(f"{p.id}: Forwarded: {p.trailers.get('Forwarded', '?')}; no bundle")
-            if (out / p.id).exists():  # written while it was forwarded: not a PR now
-                shutil.rmtree(out / p.id)
-                progress(f"  removed {lay.rel(out / p.id)}, its earlier bundle")
+        for m in u.members:  # a member's own bundle from before it was grouped
+            if m.id != u.id and (out / m.id).exists():
+                shutil.rmtree(out / m.id)
+                progress(f"  removed {lay.rel(out / m.id)}: {m.id} goes upstream in {u.id}")
+        if not u.forwarded:
+            progress(f"{u.id}: Forwarded: {u.trailers.get('Forwarded', '?')}; no bundle")
+            if (out / u.id).exists():  # written while it was forwarded: not a PR now
+                shutil.rmtree(out / u.id)
+                progress(f"  removed {lay.rel(out / u.id)}, its earlier bundle")
             continue
-        tmpl = template_for(p.id, lay.base)
+        tmpl = template_for(u.id, lay.base)
         if tmpl is None:
-            raise HarnessError(f"{p.name}: no upstream test template "
-                               f"harness/upstream/templates/{lay.base}/{p.id.replace('-', '_')}.py")
-        leaked = fork_paths(strip_trailers(p.body))
+            raise HarnessError(f"{u.members[0].name}: no upstream test template "
+                               f"harness/upstream/templates/{lay.base}/{u.id.replace('-', '_')}.py")
+        test_path, test_src = tmpl
+        body = u.body(test_path)
+        leaked = fork_paths(body)
         if leaked:
-            raise HarnessError(f"{p.name}: the upstream body names fork paths outside its "
+            raise HarnessError(f"{u.members[0].name}: the upstream body names fork paths outside its "
                                f"Fork-Testing: paragraph: {', '.join(leaked)}")
-        progress(f"{p.id}: building PR bundle on sglang {release}")
-        dest = out / p.id
+        progress(f"{u.id}: building PR bundle on sglang {release}"
+                 + (f" ({' + '.join(u.ids)})" if u.grouped else ""))
+        dest = out / u.id
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
-        test_path, test_src = tmpl
+        last = patches.index(u.members[-1])
+        prefix = [q for q in patches[:last] if q.id not in set(u.ids)]
         with scratch(lay.build, "pr") as tmp:
             repo = _pristine_clone(lay.tree, tag, Path(tmp) / "sglang")
-            deps = _apply_alone_or_with_prefix(repo, p, patches[:idx], release)
-            git(repo, "tag", "pr-base", "HEAD^")  # below the patch, above its deps
+            deps = _apply_alone_or_with_prefix(
+                repo, u, prefix, release,
+                lambda q: bundles.needed_patches(units, bundles.unit_of(units, q.id)))
+            n = len(u.members)
+            git(repo, "tag", "pr-base", f"HEAD~{n}")  # below the patch, above its deps
+            if n > 1:  # one commit: the first member's, holding them all
+                git(repo, "reset", "-q", "--soft", f"HEAD~{n - 1}")
             (repo / test_path).parent.mkdir(parents=True, exist_ok=True)
             (repo / test_path).write_text(test_src)
             git(repo, "add", "-f", test_path)
-            (Path(tmp) / "msg").write_text(p.subject + "\n\n" + strip_trailers(p.body) + "\n")
+            (Path(tmp) / "msg").write_text(u.subject + "\n\n" + body + "\n")
             git(repo, "commit", "-q", "--amend", "--no-verify", "-F", str(Path(tmp) / "msg"))
             pf = [Path(x) for x in git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest), "pr-base..HEAD").stdout.split()]
             if deps:
@@ -382,7 +396,7 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
                     git(tree, "am", "--keep-cr", "--no-3way", str(d))
             applied = git(with_tree, "apply", "--check", *map(str, pf), check=False)
             if applied.returncode != 0:
-                raise HarnessError(f"{p.id}: bundle patch {pf[0].name} does not apply to pristine {release}: "
+                raise HarnessError(f"{u.id}: bundle patch {pf[0].name} does not apply to pristine {release}: "
                                    + (applied.stderr.strip().splitlines() or ["git apply --check failed"])[0])
             git(with_tree, "apply", *map(str, pf))  # adds the test too
             (without_tree / test_path).parent.mkdir(parents=True, exist_ok=True)
@@ -392,24 +406,26 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
             statuses = zygote.shared(TEST_TIMEOUT).run([(without_tree, test_path, logs[0]), (with_tree, test_path, logs[1])])
             without, with_patch = (_test_result(rc, log, tree) for rc, log, tree
                                    in zip(statuses, logs, (without_tree, with_tree)))
+        what = " + ".join(m.name for m in u.members)
         if without["rc"] == 0:
-            raise HarnessError(f"{p.id}: {test_path} passes on pristine {release} without {p.name}: "
+            raise HarnessError(f"{u.id}: {test_path} passes on pristine {release} without {what}: "
                                "it does not test the bug")
         if with_patch["rc"] != 0:
-            raise HarnessError(f"{p.id}: {test_path} fails on {release} with {p.name}: {with_patch['last']}")
+            raise HarnessError(f"{u.id}: {test_path} fails on {release} with {what}: {with_patch['last']}")
         (dest / "upstream_test.py").write_text(test_src)
         patch_names = [f.name for f in pf]
-        (dest / "title.txt").write_text(p.subject + "\n")
-        desc = prbody.base_description(p, release, test_path, deps, stat, without, with_patch)
-        leaked = prbody.fork_markers(desc + "\n" + strip_trailers(p.body))
+        (dest / "title.txt").write_text(u.subject + "\n")
+        dep_units = [x for i, x in enumerate(units) if set(x.ids) & {q.id for q in deps}]
+        desc = prbody.base_description(u, release, test_path, dep_units, stat, without, with_patch, body)
+        leaked = prbody.fork_markers(desc + "\n" + body)
         if leaked:
-            raise HarnessError(f"{p.id}: the PR body carries the fork's {', '.join(leaked)}")
+            raise HarnessError(f"{u.id}: the PR body carries the fork's {', '.join(leaked)}")
         (dest / "description.md").write_text(desc)
-        (dest / "PUSH.md").write_text(_push(p.id, release, patch_names, deps, remote, test_path))
+        (dest / "PUSH.md").write_text(_push(u.id, release, patch_names, deps, remote, test_path))
         (dest / "bundle.json").write_text(json.dumps({
-            "id": p.id, "title": p.subject, "base_release": release, "base_tag": f"v{release}",
-            "patches": patch_names, "deps": [q.id for q in deps], "test": test_path,
-            "branch": PUSH_REF.format(id=p.id), "notes": [],
+            "id": u.id, "title": u.subject, "base_release": release, "base_tag": f"v{release}",
+            "members": u.ids, "patches": patch_names, "deps": [q.id for q in deps], "test": test_path,
+            "branch": PUSH_REF.format(id=u.id), "notes": [],
             "verified": {"apply_check": "ok", "test_without_patch": without["summary"],
                          "test_with_patch": with_patch["summary"]},
         }, indent=2) + "\n")
@@ -418,8 +434,8 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
     if written:
         # With --only, the bundles not rebuilt are checked too: a new patch can break an
         # earlier bundle's test on the whole series (its template, as the bundle carries it).
-        others = [(p.id, *t) for p in patches if only and p.id not in only and p.forwarded
-                  and (t := template_for(p.id, lay.base)) is not None]
+        others = [(u.id, *t) for u in units if only and u.id not in only and not set(u.ids) & set(only)
+                  and u.forwarded and (t := template_for(u.id, lay.base)) is not None]
         _verify_on_whole_series(lay, written, release, others)
     # Information, not a gate: does each bundle still apply to the releases after its base?
     from harness.upstream.drift import report_drift
@@ -529,31 +545,55 @@ def overlapping_prefix(p, prefix: list) -> list:
     """The earlier patches ``p`` can need: those that touch a file it touches, or a file
     one of them touches (transitively), in series order. A patch on files of its own
     stays out, so two families of the same migration do not depend on each other."""
-    files = set(p.files)
-    need = []
+    return _walk(prefix, set(p.files), set(), lambda q: [])
+
+
+def _walk(prefix: list, files: set[str], want: set[str], needs_of) -> list:
+    """The prefix patches a unit needs, in series order: walking back from the unit,
+    each one named in ``want`` or touching a file of the unit or of a patch already
+    taken; a taken patch adds its files and the units it needs (``needs_of``) to what
+    the walk takes further back. A patch between them and the unit that touches only
+    files of patches before it is not needed (another packer family never is)."""
+    files, want, taken = set(files), set(want), []
     for q in reversed(prefix):
-        if files & set(q.files):
-            need.append(q)
+        if q.id in want or files & set(q.files):
+            taken.append(q)
             files |= set(q.files)
-    return need[::-1]
+            want |= {n.id for n in needs_of(q)}
+    return taken[::-1]
 
 
-def _apply_alone_or_with_prefix(repo: Path, p, prefix: list, release: str) -> list:
-    """``git am`` the patch on the pristine release; when it needs earlier patches of the
-    series, those that overlap it go first (:func:`overlapping_prefix`; returned: the
-    bundle's deps/)."""
-    if git(repo, "am", "--keep-cr", "--no-3way", str(p.path), check=False).returncode == 0:
-        return []
-    git(repo, "am", "--abort", check=False)
-    prefix = overlapping_prefix(p, prefix)
-    for q in prefix:
-        if git(repo, "am", "--keep-cr", "--no-3way", str(q.path), check=False).returncode != 0:
-            git(repo, "am", "--abort", check=False)
-            raise HarnessError(f"{p.id}: prefix patch {q.name} does not apply on {release}")
-    if git(repo, "am", "--keep-cr", "--no-3way", str(p.path), check=False).returncode != 0:
-        git(repo, "am", "--abort", check=False)
-        raise HarnessError(f"{p.id}: {p.name} does not apply on {release}, alone or after its series prefix")
-    return list(prefix)
+def _apply_alone_or_with_prefix(repo: Path, u, prefix: list, release: str, needs_of=lambda q: []) -> list:
+    """``git am`` the unit's patches on the pristine release, after the units it needs
+    (``needs_of(patch)``: :func:`bundles.needed_patches` of its unit) and what those
+    need; when that does not apply, after every earlier patch the unit needs
+    (:func:`_walk`: those that overlap it, and what they need). ``prefix``: the series
+    before the unit's last patch, without its own. Returned: the bundle's deps/, in
+    series order."""
+    def am(patches: list) -> str | None:
+        for q in patches:
+            if git(repo, "am", "--keep-cr", "--no-3way", str(q.path), check=False).returncode != 0:
+                git(repo, "am", "--abort", check=False)
+                return q.name
+        return None
+
+    want = {n.id for m in u.members for n in needs_of(m)}
+    forced = _walk(prefix, set(), want, needs_of) if want else []
+    start = git(repo, "rev-parse", "HEAD").stdout.strip()
+    failed = am(forced)
+    if failed:
+        raise HarnessError(f"{u.id}: prefix patch {failed} does not apply on {release}")
+    if am(u.members) is None:
+        return forced
+    git(repo, "reset", "-q", "--hard", start)
+    deps = _walk(prefix, set(u.files), want, needs_of)
+    failed = am(deps)
+    if failed:
+        raise HarnessError(f"{u.id}: prefix patch {failed} does not apply on {release}")
+    failed = am(u.members)
+    if failed:
+        raise HarnessError(f"{u.id}: {failed} does not apply on {release}, alone or after its series prefix")
+    return deps
 
 
 def _test_result(rc: int, log: Path, tree: Path) -> dict[str, Any]:

@@ -305,15 +305,116 @@ def test_bundle_from_base_needs_a_template(tmp_path, monkeypatch):
         export_from_base(layout(root, base=BASE))
 
 
-def test_every_forwarded_patch_of_another_base_has_a_template():
+def test_every_forwarded_unit_of_another_base_has_a_template():
+    """Every upstream PR of a base (a patch, or a bundle of patches: bundles.toml) has its
+    test template, and no template is left over from a patch now in a bundle."""
     from harness.patchset.layout import bases
+    from harness.upstream import bundles
+    from harness.upstream.prexport import TEMPLATES
     from harness.upstream.status import load_series
 
     root = Path(__file__).resolve().parents[2]
     for base in bases(root):
-        missing = [p.name for p in load_series(layout(root, base=base))
-                   if p.forwarded and template_for(p.id, base) is None]
+        units = bundles.load(TEMPLATES / base, load_series(layout(root, base=base)))
+        missing = [u.id for u in units if u.forwarded and template_for(u.id, base) is None]
         assert not missing, f"patches/{base}: no templates/{base}/ test for {missing}"
+        ids = {u.id for u in units}
+        stale = [p.stem for p in (TEMPLATES / base).glob("*.py") if p.stem.replace("_", "-") not in ids]
+        assert not stale, f"templates/{base}/: no unit of the series for {stale}"
+
+
+def test_a_bundle_is_one_pr_of_its_patches(tmp_path, monkeypatch):
+    """bundles.toml groups consecutive patches into one PR: one commit with both changes
+    and the bundle's test, one body with both motivations, verified as one (fails on the
+    release, passes with both); a member's own earlier bundle is removed."""
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch, later="def answer():\n    return 6 * 7\n",
+                      later_template=UPSTREAM_TEST)
+    templates = tmp_path / "templates" / BASE
+    (templates / "fix_answer.py").rename(templates / "answer_fixed.py")
+    (templates / "change_answer.py").unlink()
+    (templates / "bundles.toml").write_text(
+        '[[bundle]]\nid = "answer-fixed"\ntitle = "Fix and restate the answer"\n'
+        'patches = ["fix-answer", "change-answer"]\n')
+    stale = root / "build" / "pr" / "fix-answer"
+    stale.mkdir(parents=True)
+    [d] = export_from_base(layout(root, base=BASE))
+    assert d.name == "answer-fixed" and not stale.exists()
+    meta = json.loads((d / "bundle.json").read_text())
+    assert meta["members"] == ["fix-answer", "change-answer"] and meta["deps"] == []
+    assert meta["verified"]["test_without_patch"].startswith("FAILED")
+    assert meta["verified"]["test_with_patch"] == "OK"
+    [patch] = meta["patches"]
+    text = (d / patch).read_text()
+    assert "Subject: Fix and restate the answer" in text and "return 6 * 7" in text
+    assert "Off by one." in text and "None." in text and "Patch-Id" not in text
+    assert "Testing: test/registered/unit/test_answer.py (CPU only" in text
+    desc = (d / "description.md").read_text()
+    assert desc.startswith("# Fix and restate the answer") and "Return 42." in desc
+
+
+def test_bundles_toml_errors_are_one_line(tmp_path):
+    """A malformed bundles.toml: one error naming the file and what is wrong."""
+    from types import SimpleNamespace as P
+
+    from harness import HarnessError
+    from harness.upstream import bundles
+
+    series = [P(id=i, subject=i, forwarded=True, files=[f"{i}.py"], trailers={}) for i in "abcd"]
+    series[2].files.append("a.py")
+    cases = {
+        '[[bundle]]\nid = "x"\ntitle = "t"\npatches = ["c", "a"]\n': "not listed once each in series order",
+        '[[bundle]]\nid = "x"\ntitle = "t"\npatches = ["a", "d"]\n': "x: c, between its patches, touches a.py",
+        '[[bundle]]\nid = "x"\ntitle = "t"\npatches = ["a", "z"]\n': "no such patch in the series: z",
+        '[[bundle]]\nid = "x"\npatches = ["a"]\n': "needs id, title and patches",
+        '[needs]\n"a" = ["d"]\n': "a needs d, which comes after it",
+        '[needs]\n"q*" = ["a"]\n': "names no unit",
+        '[[bundle]\n': "bundles.toml:",
+    }
+    for text, want in cases.items():
+        (tmp_path / "bundles.toml").write_text(text)
+        with pytest.raises(HarnessError) as exc:
+            bundles.load(tmp_path, series)
+        assert want in str(exc.value) and len(str(exc.value).splitlines()) == 1, text
+    (tmp_path / "bundles.toml").write_text(
+        '[[bundle]]\nid = "ab"\ntitle = "t"\npatches = ["a", "b"]\n[needs]\n"[cd]" = ["ab"]\n"d" = "c"\n')
+    units = bundles.load(tmp_path, series)
+    assert [u.id for u in units] == ["ab", "c", "d"]
+    (tmp_path / "bundles.toml").write_text('[[bundle]]\nid = "bd"\ntitle = "t"\npatches = ["b", "d"]\n')
+    assert [u.id for u in bundles.load(tmp_path, series)] == ["a", "bd", "c"]  # c touches neither
+    assert [m.id for m in bundles.needed_patches(units, units[2])] == ["a", "b", "c"]
+
+
+def test_a_needed_unit_is_stacked_under_a_patch_that_does_not_overlap_it(tmp_path, monkeypatch):
+    """``needs``: a patch that imports what an earlier one adds, in a file it does not
+    touch, gets that patch in its deps/ (file overlap alone would leave it out, and the
+    bundle's test would fail with the patch on the bare release)."""
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch)
+    tree = root / "build" / f"sglang-{BASE}"
+    pkg = tree / "python" / "sglang"
+    (pkg / "user.py").write_text("from sglang.answer import answer\n\n\ndef doubled():\n    return 2 * answer()\n")
+    run_git(tree, "add", "-A")
+    run_git(tree, "commit", "-q", "-m", "Double it\n\nBug: none.\n\nFix: twice.\n\nPatch-Id: double-answer\nForwarded: yes")
+    names = subprocess.run(["git", "format-patch", f"base/v{BASE}..HEAD", "-o", str(root / "patches" / BASE)],
+                           cwd=tree, check=True, capture_output=True, text=True).stdout.split()
+    (root / "patches" / BASE / "series").write_text("".join(Path(n).name + "\n" for n in names))
+    templates = tmp_path / "templates" / BASE
+    (templates / "double_answer.py").write_text(UPSTREAM_TEST.replace("test_answer.py", "test_double.py").replace(
+        "from sglang.answer import answer", "from sglang.user import doubled").replace(
+        "self.assertEqual(answer(), 42)", "self.assertEqual(doubled(), 84)"))
+    (templates / "bundles.toml").write_text('[needs]\n"double-answer" = ["fix-answer"]\n')
+    written = export_from_base(layout(root, base=BASE), only=["double-answer"])
+    meta = json.loads((written[0] / "bundle.json").read_text())
+    assert meta["deps"] == ["fix-answer"] and meta["verified"]["test_with_patch"] == "OK"
+    # without it the new file alone applies, and its test fails (82 != 84)
+    (templates / "bundles.toml").unlink()
+    from harness import HarnessError
+
+    with pytest.raises(HarnessError, match="fails on 9.9 with"):
+        export_from_base(layout(root, base=BASE), only=["double-answer"])
 
 
 def test_strip_trailers_drops_the_fork_only_paragraphs():

@@ -7,7 +7,8 @@ include the last layer request) is never reached inside the layer loop. The
 model must capture it at the final norm (the residual the fused add + norm
 updates, not the norm's output), and on an idle batch (which skips the final
 norm) too. The models that flag their capturing layers must accept that
-index. One case per distinct forward: the list models, the flag models
+index. One case per distinct forward: deepseek_v2 (whose last capture is
+its packer's last slot), the list models, the flag models
 through their setters, the looped (nanbeige), top-k (glm5_next), folded
 (granitemoehybrid), plain-norm (muse_glimmer) and subclass (interns2_mobius)
 forwards.
@@ -27,6 +28,7 @@ from torch import nn
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.models.deepseek_v2 import DeepseekV2Model
 from sglang.srt.models.glm4_moe import Glm4MoeModel
 from sglang.srt.models.glm5_next import Glm5NextModel
 from sglang.srt.models.granitemoehybrid import GraniteMoeHybridModel
@@ -117,7 +119,7 @@ def _model(model_cls, layers_to_capture=()):
     nn.Module.__init__(model)
     model.layers = nn.ModuleList(
         [
-            _Layer(i, model_cls in (Glm5NextModel, LongcatFlashModel))
+            _Layer(i, model_cls in (DeepseekV2Model, Glm5NextModel, LongcatFlashModel))
             for i in range(NUM_LAYERS)
         ]
     )
@@ -144,6 +146,9 @@ def _model(model_cls, layers_to_capture=()):
     model.embedding_multiplier = 1.0
     model.flashinfer_mnnvl_cutedsl_fusion = None
     model.use_hf_deepstack_order = False
+    model.use_dsa = False
+    model.llama_4_scaling_config = None
+    model.next_full_attention_layer_id = {}
     return model
 
 
@@ -206,6 +211,17 @@ class TestModelsCaptureFinalLayer(CustomTestCase):
         # the norm halves the residual it updates in place; the final capture
         # is that updated residual, not the norm's output
         torch.testing.assert_close(hidden, aux[-1] * 0.5)
+
+    def test_deepseek_v2(self):
+        for layers_to_capture in ([1, 2, NUM_LAYERS], [1, NUM_LAYERS]):
+            with self.subTest(layers_to_capture=layers_to_capture):
+                model = _model(DeepseekV2Model, layers_to_capture)
+                self._check_captures(model, layers_to_capture)
+
+    def test_deepseek_v2_idle_batch(self):
+        model = _model(DeepseekV2Model, [1, NUM_LAYERS])
+        _, aux = _run(model, torch.empty(0, HIDDEN), idle=True)
+        self.assertEqual(tuple(aux.shape), (0, 2 * HIDDEN))
 
     def test_llama(self):
         layers_to_capture = [1, 2, NUM_LAYERS]
@@ -281,7 +297,7 @@ class TestModelsCaptureFinalLayer(CustomTestCase):
 
     def test_no_final_capture_when_not_requested(self):
         layers_to_capture = [1, 2]
-        for model_cls in (LlamaModel, Glm4MoeModel):
+        for model_cls in (DeepseekV2Model, LlamaModel, Glm4MoeModel):
             with self.subTest(model=model_cls.__name__):
                 model = _model(model_cls, layers_to_capture)
                 _, aux = _run(model, torch.randn(TOKENS, HIDDEN))
