@@ -9,6 +9,8 @@ says so::
     [[bundle]]
     id = "aux-packer-infra"              # the PR's id: build/pr/<id>/, its template
     title = "[Spec] ..."                 # the squashed commit's subject
+    motivation = "..."                   # optional: the PR's own, instead of its
+    modifications = "..."                # members' paragraphs joined
     patches = ["packer-capture-checked", "aux-packer-infra"]   # in series order
 
     [needs]                              # unit id (fnmatch pattern) -> units merged first
@@ -46,6 +48,8 @@ class Unit:
     subject: str
     members: list[Any]
     needs: list[str] = field(default_factory=list)
+    motivation: str = ""  # a bundle's own, in place of its members' joined
+    modifications: str = ""
 
     @property
     def grouped(self) -> bool:
@@ -74,14 +78,28 @@ class Unit:
         if not self.grouped:
             return strip_trailers(self.members[0].body)
         bodies = [strip_trailers(m.body) for m in self.members]
-        paras = ["Motivation: " + "\n\n".join(prbody.motivation(b) for b in bodies)]
-        fixes = [prbody.section(b, "Fix") for b in bodies]
-        paras.append("Fix: " + "\n\n".join(f for f in fixes if f))
+        if self.motivation:
+            paras = ["Motivation: " + _fill(self.motivation)]
+        else:
+            paras = ["Motivation: " + "\n\n".join(prbody.motivation(b) for b in bodies)]
+        if self.modifications:
+            paras.append("Fix: " + _fill(self.modifications) + "\n\nOne commit per model family, folded:\n"
+                         + "\n".join(f"- {m.subject}" for m in self.members))
+        else:
+            fixes = [prbody.section(b, "Fix") for b in bodies]
+            paras.append("Fix: " + "\n\n".join(f for f in fixes if f))
+        # Each member's threads once; those every PR body relates itself to in a table
+        # (prbody.THREADS) stay there, where a member's "one family per PR" wording
+        # would now be wrong.
         related: list[str] = []
+        seen = {f"/pull/{n}" for n, _, _ in prbody.THREADS}
         for b in bodies:
             for item in re.split(r"\n(?=- )", prbody.section(b, "Related")):
                 item = item.strip()
-                if item and item not in related:
+                url = re.search(r"/(?:pull|issues)/\d+", item)
+                key = url.group(0).replace("/issues/", "/pull/") if url else item
+                if item and key not in seen:
+                    seen.add(key)
                     related.append(item)
         if related:
             paras.append("Related:\n" + "\n".join(related))
@@ -90,6 +108,13 @@ class Unit:
                 f"Testing: {test_path} (CPU only, `register_cpu_ci`) covers the "
                 f"{len(self.members)} changes of this PR.", 72, break_on_hyphens=False))
         return "\n\n".join(paras)
+
+
+def _fill(text: str) -> str:
+    """A bundles.toml text as commit paragraphs: blank lines kept, each paragraph
+    wrapped at 72 columns."""
+    paras = [" ".join(p.split()) for p in text.strip().split("\n\n")]
+    return "\n\n".join(textwrap.fill(p, 72, break_on_hyphens=False) for p in paras)
 
 
 def load(templates: Path, patches: list[Any]) -> list[Unit]:
@@ -134,7 +159,8 @@ def load(templates: Path, patches: list[Any]) -> list[Unit]:
             mem = [patches[index[m]] for m in b["patches"]]
             if len({m.forwarded for m in mem}) > 1:
                 raise HarnessError(f"{path.name}: bundle {b['id']} mixes forwarded and fork-only patches")
-            units.append(Unit(b["id"], b["title"], mem))
+            units.append(Unit(b["id"], b["title"], mem, motivation=b.get("motivation", ""),
+                              modifications=b.get("modifications", "")))
     ids = [u.id for u in units]
     if len(set(ids)) != len(ids):
         raise HarnessError(f"{path.name}: a bundle id repeats another unit's id")

@@ -95,7 +95,7 @@ def fork_paths(body: str) -> list[str]:
 def kind(patch_id: str) -> str:
     """The bundle's kind for :data:`_RELATION`: a packer migration, a last-layer capture
     change, a Gemma 3 change, or another capture change."""
-    if patch_id.endswith(("aux-packer", "aux-packer-shared", "aux-packer-infra")):
+    if "aux-packer" in patch_id:
         return "packer"
     if patch_id in FINAL_LAYER_IDS:
         return "final-layer"

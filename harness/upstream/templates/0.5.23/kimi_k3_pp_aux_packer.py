@@ -179,15 +179,21 @@ def _expected(embeds, layer_ids):
 
 
 class TestKimiK3PipelineAuxPacker(CustomTestCase):
+    def _check_packed(self, hidden, aux, embeds, layer_ids):
+        # One [T, K * H] tensor holding the captures in order, the final norm's
+        # output beside it, and the logits processor hands it on as it is.
+        self.assertIsInstance(aux, torch.Tensor)
+        self.assertEqual(tuple(aux.shape), (TOKENS, len(layer_ids) * HIDDEN))
+        torch.testing.assert_close(aux, _expected(embeds, layer_ids))
+        torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
+        self.assertIs(pack_aux_hidden_states(aux), aux)
+
     def test_single_stage_returns_one_packed_buffer(self):
         layer_ids = [0, 2, NUM_LAYERS - 1]
         embeds = torch.randn(TOKENS, HIDDEN)
         for bank in (False, True):
             hidden, aux = _run(_model(layer_ids, bank=bank), embeds.clone())
-            self.assertIsInstance(aux, torch.Tensor)
-            torch.testing.assert_close(aux, _expected(embeds, layer_ids))
-            torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
-            self.assertIs(pack_aux_hidden_states(aux), aux)
+            self._check_packed(hidden, aux, embeds, layer_ids)
 
     def test_pipeline_stages_carry_their_captures_in_slots(self):
         # The first stage packs id 0 (its last layer's output, id 1, is the
@@ -199,12 +205,7 @@ class TestKimiK3PipelineAuxPacker(CustomTestCase):
             proxy, (hidden, aux) = _two_stages(layer_ids, embeds, bank=bank)
             sent = proxy["dspark_hidden_states"]
             torch.testing.assert_close(sent, _expected(embeds, [0]))
-            self.assertIsInstance(aux, torch.Tensor)
-            self.assertEqual(tuple(aux.shape), (TOKENS, len(layer_ids) * HIDDEN))
-            torch.testing.assert_close(aux, _expected(embeds, layer_ids))
-            torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
-            # The logits processor hands it on as it is: no concatenation.
-            self.assertIs(pack_aux_hidden_states(aux), aux)
+            self._check_packed(hidden, aux, embeds, layer_ids)
 
     def test_post_norm_last_capture_fills_the_last_slot(self):
         # post_norm: the last layer's capture is the final read's output.

@@ -144,21 +144,14 @@ class TestModelsCaptureByIndex(CustomTestCase):
         torch.testing.assert_close(hidden, _output_of(embeds, NUM_LAYERS - 1) * 0.5)
 
     def test_list_set_without_setter(self):
-        # The list alone, as a wrapper sets it on its language model.
-        layers_to_capture = [1, 2, 3]
-        for model_cls in MODEL_CLASSES:
-            with self.subTest(model=model_cls.__name__):
-                model = _model(model_cls)
-                model.layers_to_capture = list(layers_to_capture)
-                self._check_captures(model, layers_to_capture)
-
-    def test_list_set_without_setter_with_final_layer(self):
-        layers_to_capture = [1, NUM_LAYERS]
-        for model_cls in MODEL_CLASSES:
-            with self.subTest(model=model_cls.__name__):
-                model = _model(model_cls)
-                model.layers_to_capture = list(layers_to_capture)
-                self._check_captures(model, layers_to_capture)
+        # The list alone, as a wrapper sets it on its language model; with and
+        # without the final layer (taken after the loop).
+        for layers_to_capture in ([1, 2, 3], [1, NUM_LAYERS]):
+            for model_cls in MODEL_CLASSES:
+                with self.subTest(model=model_cls.__name__, ids=layers_to_capture):
+                    model = _model(model_cls)
+                    model.layers_to_capture = list(layers_to_capture)
+                    self._check_captures(model, layers_to_capture)
 
     def test_list_changed_after_setter(self):
         # The list replaced after a setter ran is what the forward captures.
