@@ -251,6 +251,12 @@ def run(args: argparse.Namespace) -> int:
     unknown = wanted - {pid for _, pid in patches}
     if unknown:
         raise HarnessError(f"unknown Patch-Id(s): {', '.join(sorted(unknown))}")
+    # `--patch A B` takes A alone; B would go to pytest as a path it cannot find and the
+    # run would report A untested. Say so instead.
+    stray = [x for x in extra if x in {pid for _, pid in patches}]
+    if stray:
+        raise HarnessError(f"{', '.join(stray)}: a Patch-Id given to pytest; "
+                           f"give each its own --patch (--patch {' --patch '.join(stray)})")
     rows: list[dict[str, Any]] = []
     # The full series first: it runs every guarded test, the longest run by far.
     runs: list[tuple[str, list[str], Path | None]] = [("full-series", sorted(wanted), None)]

@@ -103,3 +103,14 @@ def test_a_run_is_pytest_in_a_process_group_of_its_own(tmp_path):
     text = log.read_text()
     assert "1 failed, 1 passed" in text and "the probe fails" in text
     assert "PROBE" not in os.environ
+
+
+def test_two_patch_ids_after_one_patch_flag_is_one_line(monkeypatch):
+    """`--patch A B`: B would go to pytest as a path and A be reported untested; the
+    run stops first with one line that says how to ask for both."""
+    monkeypatch.setattr(ablation, "layout", lambda: None)
+    monkeypatch.setattr(ablation, "_patch_ids", lambda lay: [("0001-a.patch", "a"), ("0002-b.patch", "b")])
+    args = types.SimpleNamespace(patch=["a"], passthrough=["b", "-k", "x"], jobs=0, workers="auto")
+    with pytest.raises(HarnessError) as exc:
+        ablation.run(args)
+    assert str(exc.value) == "b: a Patch-Id given to pytest; give each its own --patch (--patch b)"
