@@ -315,6 +315,7 @@ def _push(pid, target, patch_names, deps, remote, test_path) -> str:
 # ---------------------------------------------------------------- from another base
 
 TEST_TIMEOUT = 600  # seconds for one run of a bundle's unit test
+TEST_SUPPORT = "python/sglang/test/"  # where a bundle's shared test code lives
 
 
 def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "<remote>",
@@ -386,6 +387,12 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
             if deps:
                 git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest / "deps"), f"{tag}..pr-base")
             stat = git(repo, "diff", "--stat", "pr-base..HEAD").stdout.rstrip()
+            # Test code the bundle adds beside its test (a shared scaffold under
+            # python/sglang/test/) goes into the run without the change too: that run
+            # is the change's tests on the release's code, so it fails on the bug,
+            # not on a missing import.
+            support = [x for x in git(repo, "diff", "--name-only", "--diff-filter=A", "pr-base..HEAD", "--",
+                                      TEST_SUPPORT).stdout.split() if x != test_path]
             # Verify on fresh pristine trees, as a reviewer would: apply --check, then
             # the test without the patch (must fail) and with it (must pass). The two
             # runs are independent (each a fork that imports SGLang from its own tree:
@@ -401,6 +408,9 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
             git(with_tree, "apply", *map(str, pf))  # adds the test too
             (without_tree / test_path).parent.mkdir(parents=True, exist_ok=True)
             (without_tree / test_path).write_text(test_src)
+            for rel in support:
+                (without_tree / rel).parent.mkdir(parents=True, exist_ok=True)
+                (without_tree / rel).write_text((repo / rel).read_text())
             logs = [Path(tmp) / f"{name}.log" for name in ("without", "with")]
             _settle()
             statuses = zygote.shared(TEST_TIMEOUT).run([(without_tree, test_path, logs[0]), (with_tree, test_path, logs[1])])

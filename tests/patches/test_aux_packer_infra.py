@@ -97,6 +97,10 @@ def test_slot_with_dtype_traces_fullgraph(infra):
             packer.slot(x, dtype=torch.bfloat16).copy_(x * 2)
         return packer.finalize()
 
-    torch._dynamo.reset()
-    compiled = torch.compile(pack, backend="eager", fullgraph=True)
-    assert torch.equal(compiled(*caps), torch.cat([(c * 2).to(torch.bfloat16) for c in caps], -1))
+    # Dynamo is on only for this compile (the suites' rank processes run with it off).
+    with torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        compiled = torch.compile(pack, backend="eager", fullgraph=True)
+        got = compiled(*caps)
+        torch._dynamo.reset()
+    assert torch.equal(got, torch.cat([(c * 2).to(torch.bfloat16) for c in caps], -1))

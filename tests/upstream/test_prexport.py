@@ -505,3 +505,30 @@ def test_a_patch_no_longer_forwarded_loses_its_earlier_bundle(tmp_path, monkeypa
     (stale / "description.md").write_text("old\n")
     [d] = export_from_base(layout(root, base=BASE))
     assert d.name == "fix-answer" and not stale.exists()
+
+
+def test_test_code_a_bundle_adds_runs_without_the_change_too(tmp_path, monkeypatch):
+    """A bundle that adds shared test code (python/sglang/test/) beside its test: the run
+    without the change has that code too, so the test fails on the bug (41 != 42), not
+    on the import of a module the release lacks."""
+    from harness.upstream.prexport import export_from_base
+
+    root = _base_root(tmp_path, monkeypatch,
+                      template=UPSTREAM_TEST.replace("self.assertEqual(answer(), 42)", "self.assertEqual(answer(), EXPECTED)")
+                      .replace("from sglang.answer import answer", "from sglang.answer import answer\nfrom sglang.test.expect import EXPECTED"))
+    tree = root / "build" / f"sglang-{BASE}"
+    (tree / "python" / "sglang" / "test" / "expect.py").write_text("EXPECTED = 42\n")
+    run_git(tree, "add", "-A")
+    run_git(tree, "commit", "-q", "--amend", "--no-edit")
+    for old in (root / "patches" / BASE).glob("0*.patch"):
+        old.unlink()
+    names = subprocess.run(["git", "format-patch", f"base/v{BASE}..HEAD", "-o", str(root / "patches" / BASE)],
+                           cwd=tree, check=True, capture_output=True, text=True).stdout.split()
+    (root / "patches" / BASE / "series").write_text("".join(Path(n).name + "\n" for n in names))
+    [d] = export_from_base(layout(root, base=BASE))
+    meta = json.loads((d / "bundle.json").read_text())
+    assert meta["verified"]["test_without_patch"] == "FAILED (failures=1)"
+    assert meta["verified"]["test_with_patch"] == "OK"
+    desc = (d / "description.md").read_text()
+    assert "AssertionError: 41 != 42" in desc and "ModuleNotFoundError" not in desc
+    assert "python/sglang/test/expect.py" in (d / meta["patches"][0]).read_text()

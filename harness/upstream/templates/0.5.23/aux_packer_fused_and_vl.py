@@ -42,7 +42,6 @@ from sglang.srt.layers.aux_hidden_states import (
 )
 from sglang.srt.layers.layer_boundary.layout import SumGroup
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.layers.layer_boundary.residual.short_conv import ShortConvUpdate
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -63,6 +62,11 @@ from sglang.srt.models.qwen3_vl import Qwen3LLMModel, Qwen3VLForConditionalGener
 from sglang.srt.models.qwen3_vl_moe import (
     Qwen3MoeLLMModel,
     Qwen3VLMoeForConditionalGeneration,
+)
+from sglang.test.aux_capture_test_utils import (
+    InPlaceNorm,
+    StreamLayer,
+    forward_batch,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -93,23 +97,21 @@ def _pp(first=True, last=True):
 
 def _batch(tokens, buffer=None):
     """What the forwards read of a ForwardBatch; an empty batch is idle."""
-    return types.SimpleNamespace(
-        forward_mode=ForwardMode.EXTEND if tokens else ForwardMode.IDLE,
-        aux_hidden_states_buffer=buffer,
-        can_run_tbo=False,
-        residual_stream=None,
+    return forward_batch(
+        ForwardMode.EXTEND if tokens else ForwardMode.IDLE,
+        buffer,
         input_ids=torch.zeros(tokens, dtype=torch.long),
         positions=torch.arange(tokens),
     )
 
 
 def _forward(model, embeds, extra, buffer=None):
-    forward_batch = _batch(embeds.shape[0], buffer)
+    batch = _batch(embeds.shape[0], buffer)
     with torch.no_grad():
         return model.forward(
             input_ids=None,
-            positions=forward_batch.positions,
-            forward_batch=forward_batch,
+            positions=batch.positions,
+            forward_batch=batch,
             input_embeds=embeds.clone(),
             **extra,
         )
@@ -119,46 +121,10 @@ def _nan_buffer(rows, width, dtype):
     return torch.full((rows, width), float("nan"), dtype=dtype)
 
 
-class _InPlaceNorm(nn.Module):
-    """Halves its input in place, as a fused kernel may overwrite it; with a
-    residual, fused add + norm: both updated, (x + residual) / 2 returned."""
-
-    def forward(self, hidden_states, residual=None, **unused_kwargs):
-        if residual is None:
-            return hidden_states.mul_(0.5)
-        residual.add_(hidden_states)
-        hidden_states.copy_(residual * 0.5)
-        return hidden_states, residual
-
-
-class _StreamLayer(nn.Module):
-    """A decoder layer on the real residual stream (Qwen3-VL, Nanbeige):
-    completes the previous layer's output at its boundary, hands it to
-    ``capture_output`` when asked, and adds ``layer_id + 1`` for the next
-    boundary (in every loop)."""
-
-    def __init__(self, layer_id):
-        super().__init__()
-        self.layer_id = layer_id
-
-    def forward(
-        self,
-        positions,
-        hidden_states,
-        forward_batch,
-        *unused_args,
-        capture_output=None,
-        **unused_kwargs,
-    ):
-        hidden_states = residual_batch.fold(hidden_states, forward_batch)
-        if capture_output is not None:
-            capture_output(hidden_states)
-        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
-        return residual_batch.stream_of(forward_batch).record(contribution, PLAIN_ADD)
-
-
 def _stream_layers():
-    return nn.ModuleList(_StreamLayer(i) for i in range(NUM_LAYERS))
+    # On the real residual stream (Qwen3-VL, Nanbeige): layer k adds k + 1 in
+    # every loop.
+    return nn.ModuleList(StreamLayer(i) for i in range(NUM_LAYERS))
 
 
 def _convolve(hidden_states, positions, forward_batch):
@@ -289,7 +255,7 @@ class _Qwen3VL(_Family):
         model.layers = _stream_layers()
         model.start_layer, model.end_layer = 0, NUM_LAYERS
         model.layers_to_capture = list(ids)
-        model.norm = _InPlaceNorm()
+        model.norm = InPlaceNorm()
         model.pp_group = _pp()
         model.hidden_size = HIDDEN
         model.deepstack_embed_to_decoder_layer = range(NUM_DEEPSTACK)
@@ -354,7 +320,7 @@ class _Nanbeige(_Family):
         model.layers = _stream_layers()
         model.start_layer, model.end_layer = 0, NUM_LAYERS
         model.layers_to_capture = list(ids)
-        model.norm = _InPlaceNorm()
+        model.norm = InPlaceNorm()
         model.pp_group = _pp()
         return model
 
@@ -390,7 +356,7 @@ class _Inkling(_Family):
         model.layers = nn.ModuleList(
             _ConvLayer(i, scattered_sconv=(i == 2)) for i in range(NUM_LAYERS)
         )
-        model.norm = _InPlaceNorm()
+        model.norm = InPlaceNorm()
         model._final_read = _inkling_read()
         model._dflash_layers_to_capture = set()
         if ids:
@@ -505,7 +471,7 @@ class _MuseSpark(_Family):
         model.layers = nn.ModuleList(
             _MuseLayer(i, self.dtype) for i in range(NUM_LAYERS)
         )
-        model.norm = _InPlaceNorm()
+        model.norm = InPlaceNorm()
         model.layers_to_capture = list(ids)
         return model
 

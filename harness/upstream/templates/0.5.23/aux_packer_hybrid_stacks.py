@@ -38,7 +38,6 @@ from sglang.srt.layers.aux_hidden_states import (
     set_final_layer_capture,
 )
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.layers.layer_boundary.stage import StageBoundary
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -87,6 +86,13 @@ from sglang.srt.models.qwen4_exp import (
     Qwen4ExpVLModel,
 )
 from sglang.srt.runtime_context import get_parallel
+from sglang.test.aux_capture_test_utils import (
+    InPlaceNorm,
+    StreamLayer,
+    expected_captures,
+    forward_batch,
+    stream_after,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -99,13 +105,9 @@ HC_MULT = 2
 DFLASH = types.SimpleNamespace(is_dflash_family=lambda: True)
 
 
-def _after(embeds, layer_id):
-    # Layer k adds k + 1: its output is embeds + 1 + ... + (k + 1).
-    return embeds + float(sum(range(1, layer_id + 2)))
-
-
 def _expected(embeds, layer_ids):
-    return torch.cat([_after(embeds, k) for k in layer_ids], dim=-1)
+    # The outputs of these layers: capture indices k + 1.
+    return expected_captures(embeds, [k + 1 for k in layer_ids])
 
 
 def _stage(start_layer=0, end_layer=NUM_LAYERS):
@@ -129,43 +131,21 @@ class _FromPP:
         return pp_proxy_tensors["hidden_states"]
 
 
-class _Layer(nn.Module):
-    """Completes the previous layer's output at its boundary, captures it when
-    the model asks (``captured_last_layer_outputs`` or ``capture_output``, the
-    two ways these models hand a layer its capture), and adds ``layer_id + 1``
-    for the next boundary. Called positionally ``(positions, hidden_states,
-    forward_batch, ...)`` or by keyword, as the models call their layers."""
+class _Layer(StreamLayer):
+    """The scaffold's layer (either capture hook, called positionally or by
+    keyword), and a pipeline stage's entry at its attention boundary."""
 
     def __init__(self, layer_id):
-        nn.Module.__init__(self)
-        self.layer_id = layer_id
+        super().__init__(layer_id)
         self.attn_boundary = _FromPP()
-
-    def forward(
-        self,
-        *args,
-        captured_last_layer_outputs=None,
-        capture_output=None,
-        **kwargs,
-    ):
-        if args:
-            kwargs.setdefault("hidden_states", args[1])
-            kwargs.setdefault("forward_batch", args[2])
-        forward_batch = kwargs["forward_batch"]
-        hidden_states = residual_batch.fold(kwargs["hidden_states"], forward_batch)
-        if captured_last_layer_outputs is not None:
-            capture_output = captured_last_layer_outputs.capture
-        if capture_output is not None:
-            capture_output(hidden_states)
-        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
-        return residual_batch.stream_of(forward_batch).record(contribution, PLAIN_ADD)
 
 
 class _Glm5NextLayer(_Layer):
     """Returns ``(hidden, topk_indices)`` as Glm5NextDecoderLayer does."""
 
-    def forward(self, *args, **kwargs):
-        return super().forward(*args, **kwargs), None
+    def __init__(self, layer_id):
+        super().__init__(layer_id)
+        self.returns_topk = True
 
 
 _NEMOTRON_H_LAYERS = (
@@ -227,17 +207,6 @@ def _lfm2_layer(layer_cls, layer_id):
     return layer
 
 
-class _InPlaceNorm(nn.Module):
-    """Fused add + RMSNorm: updates its inputs in place, like the GPU kernel."""
-
-    def forward(self, hidden_states, residual=None, **unused_kwargs):
-        if residual is None:
-            return hidden_states.mul_(0.5)
-        residual.add_(hidden_states)
-        hidden_states.copy_(residual * 0.5)
-        return hidden_states, residual
-
-
 # ---------------------------------------------------------------------------
 # The models, and the classes the model runner holds around them.
 # ---------------------------------------------------------------------------
@@ -247,7 +216,7 @@ def _model(cls, layer=_Layer, norm="norm", **attrs):
     model = cls.__new__(cls)
     nn.Module.__init__(model)
     model.layers = nn.ModuleList([layer(i) for i in range(NUM_LAYERS)])
-    setattr(model, norm, _InPlaceNorm())
+    setattr(model, norm, InPlaceNorm())
     model.layers_to_capture = []
     model.pp_group = _stage()
     for name, value in attrs.items():
@@ -458,18 +427,12 @@ def _capturing(spec, layer_ids, model=None):
 
 
 def _run(spec, model, embeds, buffer=None, mode=ForwardMode.EXTEND, **kwargs):
-    forward_batch = types.SimpleNamespace(
-        can_run_tbo=False,
-        residual_stream=None,
-        forward_mode=mode,
-        capture_hidden_mode=CaptureHiddenMode.FULL,
-        aux_hidden_states_buffer=buffer,
-    )
+    batch = forward_batch(mode, buffer, capture_hidden_mode=CaptureHiddenMode.FULL)
     with get_parallel().override(pp_group=getattr(model, "pp_group", _stage())):
         return model.forward(
             input_ids=None,
             positions=torch.arange(embeds.shape[0]),
-            forward_batch=forward_batch,
+            forward_batch=batch,
             **{spec.embeds: embeds},
             **kwargs,
         )
@@ -487,7 +450,9 @@ class TestHybridStacksAuxPacker(CustomTestCase):
                 self.assertIsInstance(aux, torch.Tensor)
                 self.assertEqual(tuple(aux.shape), (TOKENS, len(layer_ids) * HIDDEN))
                 torch.testing.assert_close(aux, _expected(embeds, layer_ids))
-                torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
+                torch.testing.assert_close(
+                    hidden, stream_after(embeds, NUM_LAYERS - 1) * 0.5
+                )
                 # The logits processor hands it on as it is: no concatenation.
                 self.assertIs(pack_aux_hidden_states(aux), aux)
 
@@ -505,10 +470,10 @@ class TestHybridStacksAuxPacker(CustomTestCase):
                     hidden, aux = _run(spec, model, embeds.clone())
                     self.assertIsInstance(aux, torch.Tensor)
                     torch.testing.assert_close(
-                        hidden, _after(embeds, NUM_LAYERS - 1) * 0.5
+                        hidden, stream_after(embeds, NUM_LAYERS - 1) * 0.5
                     )
                     torch.testing.assert_close(
-                        aux, torch.cat([_after(embeds, 1), hidden], dim=-1)
+                        aux, torch.cat([stream_after(embeds, 1), hidden], dim=-1)
                     )
                     self.assertNotEqual(
                         aux.untyped_storage().data_ptr(),
@@ -540,7 +505,9 @@ class TestHybridStacksAuxPacker(CustomTestCase):
                 embeds = torch.randn(TOKENS, HIDDEN)
                 out = _run(spec, spec.build(), embeds.clone())
                 self.assertIsInstance(out, torch.Tensor)
-                torch.testing.assert_close(out, _after(embeds, NUM_LAYERS - 1) * 0.5)
+                torch.testing.assert_close(
+                    out, stream_after(embeds, NUM_LAYERS - 1) * 0.5
+                )
 
     def test_idle_batch(self):
         # Models that take the last layer's capture as a snapshot on an idle
@@ -587,7 +554,7 @@ class TestHybridStacksAuxPacker(CustomTestCase):
         self.assertEqual(tuple(aux.shape), (TOKENS, len(layer_ids) * HIDDEN))
         expected = torch.cat(
             [
-                _after(streams, k).unflatten(-1, (HC_MULT, HIDDEN)).mean(dim=-2)
+                stream_after(streams, k).unflatten(-1, (HC_MULT, HIDDEN)).mean(dim=-2)
                 for k in layer_ids
             ],
             dim=-1,
@@ -600,7 +567,7 @@ class TestHybridStacksAuxPacker(CustomTestCase):
         spec = _spec(BailingMoELinearModel)
         layer_ids = [0, 2, NUM_LAYERS - 1]
         embeds = torch.randn(TOKENS, HIDDEN)
-        received = PPProxyTensors({"hidden_states": _after(embeds, 1)})
+        received = PPProxyTensors({"hidden_states": stream_after(embeds, 1)})
         model = _capturing(spec, layer_ids, _bailing(start_layer=2))
         _, aux = _run(spec, model, torch.empty(0, HIDDEN), pp_proxy_tensors=received)
         torch.testing.assert_close(aux, _expected(embeds, [2, NUM_LAYERS - 1]))

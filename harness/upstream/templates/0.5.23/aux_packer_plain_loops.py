@@ -36,7 +36,6 @@ from sglang.srt.layers.aux_hidden_states import (
     set_final_layer_capture,
 )
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models import exaone_moe, minimax_m2
 from sglang.srt.models.apertus import ApertusForCausalLM, ApertusModel
@@ -77,6 +76,13 @@ from sglang.srt.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
 from sglang.srt.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
 from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
+from sglang.test.aux_capture_test_utils import (
+    InPlaceNorm,
+    StreamLayer,
+    expected_captures,
+    forward_batch,
+    stream_after,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -94,64 +100,20 @@ ONLY_RANK = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
 # ---------------------------------------------------------------------------
 
 
-class _StreamLayer(nn.Module):
-    """A decoder layer on the real residual stream: completes the previous
-    layer's output at its boundary, captures it when asked (``capture_output``,
-    or the collector itself as ``captured_last_layer_outputs``), and records
-    ``layer_id + 1`` for the next boundary. Extra arguments (zero allocators,
-    top-k indices, per-layer inputs) are taken and ignored."""
-
-    def __init__(self, layer_id):
-        super().__init__()
-        self.layer_id = layer_id
-
-    def forward(
-        self,
-        positions,
-        hidden_states,
-        forward_batch,
-        *unused,
-        capture_output=None,
-        captured_last_layer_outputs=None,
-        **unused_kwargs,
-    ):
-        hidden_states = residual_batch.fold(hidden_states, forward_batch)
-        if capture_output is not None:
-            capture_output(hidden_states)
-        if captured_last_layer_outputs is not None:
-            captured_last_layer_outputs.capture(hidden_states)
-        return self.finish(hidden_states, forward_batch)
-
-    def finish(self, hidden_states, forward_batch):
-        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
-        return residual_batch.stream_of(forward_batch).record(contribution, PLAIN_ADD)
-
-
-class _TopKLayer(_StreamLayer):
+class _TopKLayer(StreamLayer):
     """LongcatFlashDecoderLayer also returns its top-k indices."""
 
-    def finish(self, hidden_states, forward_batch):
-        return super().finish(hidden_states, forward_batch), None
+    def __init__(self, layer_id):
+        super().__init__(layer_id, returns_topk=True)
 
 
-class _WholeStreamLayer(_StreamLayer):
+class _WholeStreamLayer(StreamLayer):
     """Gemma4DecoderLayer writes the whole next stream at its exit."""
 
     def finish(self, hidden_states, forward_batch):
         hidden_states = hidden_states + float(self.layer_id + 1)
         residual_batch.set_written(hidden_states, forward_batch)
         return hidden_states
-
-
-class _InPlaceNorm(nn.Module):
-    """Fused add + RMSNorm: updates its inputs in place, like the GPU kernel."""
-
-    def forward(self, hidden_states, residual=None, **unused_kwargs):
-        if residual is None:
-            return hidden_states.mul_(0.5)
-        residual.add_(hidden_states)
-        hidden_states.copy_(residual * 0.5)
-        return hidden_states, residual
 
 
 class _Gemma3Layer(nn.Module):
@@ -163,7 +125,7 @@ class _Gemma3Layer(nn.Module):
     def __init__(self, layer_id):
         super().__init__()
         self.layer_id = layer_id
-        self.input_layernorm = _InPlaceNorm()
+        self.input_layernorm = InPlaceNorm()
 
     def forward(self, positions, hidden_states, forward_batch, residual=None, **kw):
         if residual is None:
@@ -194,7 +156,7 @@ class _MuseGlimmerLayer(nn.Module):
 class ModelSpec:
     model_cls: type
     lm_classes: tuple  # CausalLMs whose ``model`` is a model_cls
-    layer_cls: type = _StreamLayer
+    layer_cls: type = StreamLayer
     attrs: dict = dataclasses.field(default_factory=dict)  # more the forward reads
     idle: bool = False  # has an idle-batch path (the last capture a snapshot)
     pipeline: bool = True  # counts its captures per PP stage (start/end_layer)
@@ -302,7 +264,7 @@ def _model(spec, layers_to_capture=()):
         start_layer=0,
         end_layer=NUM_LAYERS,
         layers_to_capture=list(layers_to_capture),
-        norm=_InPlaceNorm(),
+        norm=InPlaceNorm(),
         pp_group=ONLY_RANK,
         **spec.attrs,
     )
@@ -339,27 +301,17 @@ def _width_reporters(spec):
 
 
 def _run(model, embeds, buffer=None, forward_mode=ForwardMode.EXTEND):
-    forward_batch = types.SimpleNamespace(
-        can_run_tbo=False,
-        residual_stream=None,
-        forward_mode=forward_mode,
-        aux_hidden_states_buffer=buffer,
-    )
     return model.forward(
         input_ids=None,
         positions=torch.arange(embeds.shape[0]),
-        forward_batch=forward_batch,
+        forward_batch=forward_batch(forward_mode, buffer),
         input_embeds=embeds,
     )
 
 
 def _stream(embeds, i):
     """The stream entering layer i (i = num_layers: the last layer's output)."""
-    return embeds + float(sum(range(1, i + 1)))
-
-
-def _expected(embeds, layers_to_capture):
-    return torch.cat([_stream(embeds, i) for i in layers_to_capture], dim=-1)
+    return stream_after(embeds, i - 1)
 
 
 # The setters of these CausalLMs ask the process's parallel state, not
@@ -381,7 +333,9 @@ class TestAuxPackerPlainLoops(CustomTestCase):
                 self.assertEqual(
                     tuple(aux.shape), (TOKENS, len(layers_to_capture) * HIDDEN)
                 )
-                torch.testing.assert_close(aux, _expected(embeds, layers_to_capture))
+                torch.testing.assert_close(
+                    aux, expected_captures(embeds, layers_to_capture)
+                )
                 torch.testing.assert_close(hidden, _stream(embeds, NUM_LAYERS) * 0.5)
                 # The logits processor hands it on as it is: no concatenation.
                 self.assertIs(pack_aux_hidden_states(aux), aux)
@@ -419,7 +373,7 @@ class TestAuxPackerPlainLoops(CustomTestCase):
                     shared.untyped_storage().data_ptr(),
                 )
                 torch.testing.assert_close(
-                    shared[:TOKENS], _expected(embeds, layers_to_capture)
+                    shared[:TOKENS], expected_captures(embeds, layers_to_capture)
                 )
                 self.assertTrue(torch.isnan(shared[TOKENS:]).all())
 
@@ -478,7 +432,7 @@ class TestAuxPackerPlainLoops(CustomTestCase):
         model.layers[2]._is_layer_to_capture = True
         embeds = torch.randn(TOKENS, HIDDEN)
         _, aux = _run(model, embeds.clone())
-        torch.testing.assert_close(aux, _expected(embeds, [1, 2, NUM_LAYERS]))
+        torch.testing.assert_close(aux, expected_captures(embeds, [1, 2, NUM_LAYERS]))
 
     def test_draft_classes_report_no_width(self):
         # Neither draft sets capture_aux_hidden_states; the NextN one also swaps

@@ -28,8 +28,6 @@ from sglang.srt.layers.aux_hidden_states import (
     resolve_final_layer_capture,
     set_final_layer_capture,
 )
-from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner_components import (
     attention_backend_setup,
@@ -39,6 +37,11 @@ from sglang.srt.models.deepseek_v2 import DeepseekV2Model
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sglang.srt.models.inkling import InklingForConditionalGeneration
 from sglang.srt.models.llama import LlamaModel
+from sglang.test.aux_capture_test_utils import (
+    StreamLayer,
+    forward_batch,
+    stream_after,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -49,39 +52,6 @@ TOKENS = 6
 NUM_LAYERS = 3
 # Capture ids: layer inputs 1 and 2, and NUM_LAYERS, the last layer's output.
 CAPTURE_IDS = [1, 2, NUM_LAYERS]
-
-
-class _StreamLayer(nn.Module):
-    """A decoder layer that adds ``10 * (layer_id + 1)`` to the residual stream.
-
-    At its input boundary it folds the previous layer's pending output into the
-    stream, hands that to whichever capture hook the model passes, and then
-    records its own contribution, as the real attention boundary does.
-    """
-
-    def __init__(self, layer_id, returns_topk):
-        super().__init__()
-        self.layer_id = layer_id
-        self.returns_topk = returns_topk
-
-    def forward(
-        self,
-        positions,
-        hidden_states,
-        forward_batch,
-        *unused_args,
-        capture_output=None,
-        captured_last_layer_outputs=None,
-        **unused_kwargs,
-    ):
-        hidden_states = residual_batch.fold(hidden_states, forward_batch)
-        if capture_output is not None:
-            capture_output(hidden_states)
-        if captured_last_layer_outputs is not None:
-            captured_last_layer_outputs.capture(hidden_states)
-        added = torch.full_like(hidden_states, 10.0 * (self.layer_id + 1))
-        out = residual_batch.stream_of(forward_batch).record(added, PLAIN_ADD)
-        return (out, None) if self.returns_topk else out
 
 
 class _FusedAddScaleNorm(nn.Module):
@@ -100,8 +70,8 @@ class _FusedAddScaleNorm(nn.Module):
 
 
 def _stream_after(embeds, num_layers):
-    # The stream after layers 0..num_layers-1: embeds + 10 * (1 + ... + n).
-    return embeds + 10.0 * sum(range(1, num_layers + 1))
+    # The stream after layers 0..num_layers-1: layer k adds 10 * (k + 1).
+    return stream_after(embeds, num_layers - 1, step=10.0)
 
 
 def _build(model_cls, capture_ids):
@@ -109,7 +79,10 @@ def _build(model_cls, capture_ids):
     model = model_cls.__new__(model_cls)
     nn.Module.__init__(model)
     model.layers = nn.ModuleList(
-        [_StreamLayer(i, returns_topk) for i in range(NUM_LAYERS)]
+        [
+            StreamLayer(i, step=10.0, returns_topk=returns_topk)
+            for i in range(NUM_LAYERS)
+        ]
     )
     model.start_layer, model.end_layer = 0, NUM_LAYERS
     model.layers_to_capture = list(capture_ids)
@@ -124,16 +97,10 @@ def _build(model_cls, capture_ids):
 
 
 def _forward(model, embeds, idle=False):
-    forward_batch = types.SimpleNamespace(
-        can_run_tbo=False,
-        residual_stream=None,
-        aux_hidden_states_buffer=None,
-        forward_mode=ForwardMode.IDLE if idle else ForwardMode.EXTEND,
-    )
     hidden, aux = model.forward(
         input_ids=None,
         positions=torch.arange(embeds.shape[0]),
-        forward_batch=forward_batch,
+        forward_batch=forward_batch(ForwardMode.IDLE if idle else ForwardMode.EXTEND),
         input_embeds=embeds,
     )
     if isinstance(aux, torch.Tensor):
@@ -292,7 +259,6 @@ class TestResolveFinalLayerCapture(CustomTestCase):
         with self.assertRaises(ValueError):
             set_final_layer_capture("normed")
         self.assertFalse(final_layer_capture_post_norm())
-
 
 
 class TestInLoopModelsRefusePostNorm(CustomTestCase):

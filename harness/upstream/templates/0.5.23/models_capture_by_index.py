@@ -21,13 +21,11 @@ import unittest
 import torch
 from torch import nn
 
-from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.qwen2_moe import Qwen2MoeModel
 from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from sglang.srt.models.qwen3_moe import Qwen3MoeModel
 from sglang.srt.models.qwen3_next import Qwen3NextModel
+from sglang.test.aux_capture_test_utils import StreamLayer, forward_batch, stream_after
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -47,35 +45,6 @@ MODEL_CLASSES = (
 )
 
 
-class _Layer(nn.Module):
-    """Adds a layer-specific constant to the residual stream.
-
-    Like a decoder layer's attention boundary, it completes the previous
-    layer's output (its contribution plus the residual), captures that when
-    the model hands it the capture list, and records its own contribution for
-    the next boundary.
-    """
-
-    def __init__(self, layer_id):
-        super().__init__()
-        self.layer_id = layer_id
-
-    def forward(
-        self,
-        positions,
-        hidden_states,
-        forward_batch,
-        captured_last_layer_outputs=None,
-        **kwargs,
-    ):
-        hidden_states = residual_batch.fold(hidden_states, forward_batch)
-        if captured_last_layer_outputs is not None:
-            captured_last_layer_outputs.capture(hidden_states)
-        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
-        stream = residual_batch.stream_of(forward_batch)
-        return stream.record(contribution, PLAIN_ADD)
-
-
 class _Norm(nn.Module):
     def forward(self, hidden_states, residual=None):
         if residual is None:
@@ -89,7 +58,7 @@ def _model(model_cls):
     requested, and the attributes its forward reads for one pipeline rank."""
     model = model_cls.__new__(model_cls)
     nn.Module.__init__(model)
-    model.layers = nn.ModuleList([_Layer(i) for i in range(NUM_LAYERS)])
+    model.layers = nn.ModuleList([StreamLayer(i) for i in range(NUM_LAYERS)])
     model.norm = _Norm()
     model.layers_to_capture = []
     model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
@@ -104,15 +73,9 @@ def _model(model_cls):
 
 
 def _run(model, embeds):
-    forward_batch = types.SimpleNamespace(
-        can_run_tbo=False,
-        residual_stream=None,
-        forward_mode=ForwardMode.EXTEND,
-        aux_hidden_states_buffer=None,  # no decode graph's buffer
-    )
     # The fourth argument is the input embeddings (input_embeds or
     # inputs_embeds, depending on the model).
-    out = model.forward(None, torch.arange(embeds.shape[0]), forward_batch, embeds)
+    out = model.forward(None, torch.arange(embeds.shape[0]), forward_batch(), embeds)
     # A model returns the captures only when it took some.
     if not isinstance(out, tuple):
         return out, []
@@ -124,9 +87,7 @@ def _run(model, embeds):
     return hidden, aux
 
 
-def _output_of(embeds, layer_id):
-    # Layer k adds k + 1, so its output is the embedding plus 1 + ... + (k + 1).
-    return embeds + float(sum(range(1, layer_id + 2)))
+_output_of = stream_after
 
 
 class TestModelsCaptureByIndex(CustomTestCase):

@@ -25,8 +25,6 @@ import unittest
 import torch
 from torch import nn
 
-from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models.deepseek_v2 import DeepseekV2Model
 from sglang.srt.models.glm4_moe import Glm4MoeModel
@@ -42,6 +40,12 @@ from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM
 from sglang.srt.models.qwen3_moe import Qwen3MoeModel
 from sglang.srt.models.qwen3_next import Qwen3NextModel
 from sglang.srt.models.qwen3_vl import Qwen3LLMModel
+from sglang.test.aux_capture_test_utils import (
+    InPlaceNorm,
+    StreamLayer,
+    forward_batch,
+    stream_after,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -50,41 +54,6 @@ register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 HIDDEN = 8
 TOKENS = 5
 NUM_LAYERS = 3
-
-
-class _Layer(nn.Module):
-    """Adds a layer-specific constant to the residual stream.
-
-    Like a decoder layer's attention boundary, it completes the previous
-    layer's output (its contribution plus the residual), captures that when
-    asked (``capture_output`` or ``captured_last_layer_outputs``, depending on
-    the model), and records its own contribution for the next boundary.
-    """
-
-    def __init__(self, layer_id, returns_topk=False):
-        super().__init__()
-        self.layer_id = layer_id
-        self.returns_topk = returns_topk
-
-    def forward(
-        self,
-        positions=None,
-        hidden_states=None,
-        forward_batch=None,
-        *unused_args,
-        capture_output=None,
-        captured_last_layer_outputs=None,
-        **unused_kwargs,
-    ):
-        hidden_states = residual_batch.fold(hidden_states, forward_batch)
-        if capture_output is not None:
-            capture_output(hidden_states)
-        if captured_last_layer_outputs is not None:
-            captured_last_layer_outputs.capture(hidden_states)
-        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
-        stream = residual_batch.stream_of(forward_batch)
-        out = stream.record(contribution, PLAIN_ADD)
-        return (out, None) if self.returns_topk else out
 
 
 class _PlainLayer(nn.Module):
@@ -103,23 +72,16 @@ class _PlainNorm(nn.Module):
         return hidden_states * 0.5
 
 
-class _InPlaceNorm(nn.Module):
-    """Fused add + RMSNorm: updates its inputs in place, like the GPU kernel."""
-
-    def forward(self, hidden_states, residual=None, **unused_kwargs):
-        if residual is None:
-            return hidden_states.mul_(0.5)
-        residual.add_(hidden_states)
-        hidden_states.copy_(residual * 0.5)
-        return hidden_states, residual
-
-
 def _model(model_cls, layers_to_capture=()):
     model = model_cls.__new__(model_cls)
     nn.Module.__init__(model)
     model.layers = nn.ModuleList(
         [
-            _Layer(i, model_cls in (DeepseekV2Model, Glm5NextModel, LongcatFlashModel))
+            StreamLayer(
+                i,
+                returns_topk=model_cls
+                in (DeepseekV2Model, Glm5NextModel, LongcatFlashModel),
+            )
             for i in range(NUM_LAYERS)
         ]
     )
@@ -128,7 +90,7 @@ def _model(model_cls, layers_to_capture=()):
     else:
         model.start_layer, model.end_layer = 0, NUM_LAYERS
     model.layers_to_capture = list(layers_to_capture)
-    model.norm = _InPlaceNorm()
+    model.norm = InPlaceNorm()
     model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
     model.first_k_dense_replace = 0
     # Per-model attributes the forwards read (their __init__ is not run).
@@ -167,12 +129,7 @@ def _muse_glimmer(layers_to_capture):
 
 
 def _run(model, embeds, idle=False):
-    forward_batch = types.SimpleNamespace(
-        can_run_tbo=False,
-        residual_stream=None,
-        aux_hidden_states_buffer=None,
-        forward_mode=ForwardMode.IDLE if idle else ForwardMode.EXTEND,
-    )
+    batch = forward_batch(ForwardMode.IDLE if idle else ForwardMode.EXTEND)
     # Some forwards name it inputs_embeds.
     embeds_arg = (
         "inputs_embeds"
@@ -182,7 +139,7 @@ def _run(model, embeds, idle=False):
     return model.forward(
         input_ids=None,
         positions=torch.arange(embeds.shape[0]),
-        forward_batch=forward_batch,
+        forward_batch=batch,
         **{embeds_arg: embeds},
     )
 
@@ -192,9 +149,7 @@ def _captures(aux):
     return aux.split(HIDDEN, dim=-1) if isinstance(aux, torch.Tensor) else aux
 
 
-def _output_of(embeds, layer_id):
-    # Layer k adds k + 1, so its output is the embedding plus 1 + ... + (k + 1).
-    return embeds + float(sum(range(1, layer_id + 2)))
+_output_of = stream_after
 
 
 class TestModelsCaptureFinalLayer(CustomTestCase):

@@ -25,10 +25,8 @@ from unittest import mock
 import torch
 from torch import nn
 
-from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.models import deepseek_v2, glm5_next, minimax_m3, qwen2_moe
+from sglang.test.aux_capture_test_utils import StreamLayer, forward_batch, stream_after
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -37,40 +35,6 @@ register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 HIDDEN = 8
 TOKENS = 5
 NUM_LAYERS = 3
-
-
-class _Layer(nn.Module):
-    """Adds a layer-specific constant to the residual stream.
-
-    Like a decoder layer's attention boundary, it completes the previous
-    layer's output (its contribution plus the residual), captures that when
-    asked, and records its own contribution for the next boundary.
-    """
-
-    def __init__(self, layer_id, returns_topk):
-        super().__init__()
-        self.layer_id = layer_id
-        self.returns_topk = returns_topk
-
-    def forward(
-        self,
-        positions,
-        hidden_states,
-        forward_batch,
-        *args,
-        capture_output=None,
-        captured_last_layer_outputs=None,
-        **kwargs,
-    ):
-        hidden_states = residual_batch.fold(hidden_states, forward_batch)
-        if capture_output is not None:
-            capture_output(hidden_states)
-        if captured_last_layer_outputs is not None:
-            captured_last_layer_outputs.capture(hidden_states)
-        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
-        stream = residual_batch.stream_of(forward_batch)
-        hidden_states = stream.record(contribution, PLAIN_ADD)
-        return (hidden_states, None) if self.returns_topk else hidden_states
 
 
 class _Norm(nn.Module):
@@ -100,7 +64,9 @@ def _bare(model_cls, returns_topk):
     """``model_cls`` without its __init__: stand-in layers and norm, one stage."""
     model = model_cls.__new__(model_cls)
     nn.Module.__init__(model)
-    model.layers = nn.ModuleList([_Layer(i, returns_topk) for i in range(NUM_LAYERS)])
+    model.layers = nn.ModuleList(
+        [StreamLayer(i, returns_topk=returns_topk) for i in range(NUM_LAYERS)]
+    )
     model.start_layer, model.end_layer = 0, NUM_LAYERS
     model.norm = _Norm()
     model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
@@ -155,12 +121,8 @@ _MODULES = {
 
 
 def _run(model, embeds):
-    forward_batch = types.SimpleNamespace(
-        can_run_tbo=True,
-        residual_stream=None,
-        forward_mode=ForwardMode.EXTEND,
-        aux_hidden_states_buffer=None,  # no decode graph's buffer
-    )
+    batch = forward_batch()
+    batch.can_run_tbo = True  # a batch two-batch overlap would take
     module = _MODULES[type(model)]
     with mock.patch.object(
         module, "model_forward_stages", side_effect=_model_forward_stages
@@ -168,15 +130,13 @@ def _run(model, embeds):
         out = model.forward(
             input_ids=None,
             positions=torch.arange(embeds.shape[0]),
-            forward_batch=forward_batch,
+            forward_batch=batch,
             input_embeds=embeds,
         )
     return out, stages
 
 
-def _output_of(embeds, layer_id):
-    # Layer k adds k + 1, so its output is the embedding plus 1 + ... + (k + 1).
-    return embeds + float(sum(range(1, layer_id + 2)))
+_output_of = stream_after
 
 
 class TestModelsCaptureSkipsTbo(CustomTestCase):
