@@ -247,13 +247,14 @@ def run(args: argparse.Namespace) -> int:
     lay = layout()
     extra = args.passthrough
     patches = _patch_ids(lay)
-    wanted = set(args.patch) or {pid for _, pid in patches}
-    unknown = wanted - {pid for _, pid in patches}
+    known = {pid for _, pid in patches}
+    wanted = set(args.patch) or known
+    unknown = wanted - known
     if unknown:
         raise HarnessError(f"unknown Patch-Id(s): {', '.join(sorted(unknown))}")
     # `--patch A B` takes A alone; B would go to pytest as a path it cannot find and the
     # run would report A untested. Say so instead.
-    stray = [x for x in extra if x in {pid for _, pid in patches}]
+    stray = [x for x in extra if x in known]
     if stray:
         raise HarnessError(f"{', '.join(stray)}: a Patch-Id given to pytest; "
                            f"give each its own --patch (--patch {' --patch '.join(stray)})")

@@ -83,7 +83,7 @@ class Unit:
         else:
             paras = ["Motivation: " + "\n\n".join(prbody.motivation(b) for b in bodies)]
         if self.modifications:
-            paras.append("Fix: " + _fill(self.modifications) + "\n\nOne commit per model family, folded:\n"
+            paras.append("Fix: " + _fill(self.modifications) + "\n\nIt folds these commits:\n"
                          + "\n".join(f"- {m.subject}" for m in self.members))
         else:
             fixes = [prbody.section(b, "Fix") for b in bodies]

@@ -339,7 +339,7 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
     written: list[Path] = []
     lock = _lock_trees(lay)  # noqa: F841 (held until this function returns)
     for u in units:
-        if only and u.id not in only and not set(u.ids) & set(only):
+        if not _selected(u, only):
             continue
         for m in u.members:  # a member's own bundle from before it was grouped
             if m.id != u.id and (out / m.id).exists():
@@ -425,7 +425,7 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
         (dest / "upstream_test.py").write_text(test_src)
         patch_names = [f.name for f in pf]
         (dest / "title.txt").write_text(u.subject + "\n")
-        dep_units = [x for i, x in enumerate(units) if set(x.ids) & {q.id for q in deps}]
+        dep_units = [x for x in units if set(x.ids) & {q.id for q in deps}]
         desc = prbody.base_description(u, release, test_path, dep_units, stat, without, with_patch, body)
         leaked = prbody.fork_markers(desc + "\n" + body)
         if leaked:
@@ -444,7 +444,7 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
     if written:
         # With --only, the bundles not rebuilt are checked too: a new patch can break an
         # earlier bundle's test on the whole series (its template, as the bundle carries it).
-        others = [(u.id, *t) for u in units if only and u.id not in only and not set(u.ids) & set(only)
+        others = [(u.id, *t) for u in units if only and not _selected(u, only)
                   and u.forwarded and (t := template_for(u.id, lay.base)) is not None]
         _verify_on_whole_series(lay, written, release, others)
     # Information, not a gate: does each bundle still apply to the releases after its base?
@@ -452,6 +452,11 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
 
     report_drift(lay, written, {p.id: p.probes for p in patches})
     return written
+
+
+def _selected(u, only: list[str] | None) -> bool:
+    """``--only``: a unit is asked for by its own id or by one of its patches'."""
+    return not only or u.id in only or bool(set(u.ids) & set(only))
 
 
 def _verify_on_whole_series(lay: Layout, written: list[Path], release: str,
@@ -551,19 +556,13 @@ def _lock_trees(lay: Layout):
     return fh
 
 
-def overlapping_prefix(p, prefix: list) -> list:
-    """The earlier patches ``p`` can need: those that touch a file it touches, or a file
-    one of them touches (transitively), in series order. A patch on files of its own
-    stays out, so two families of the same migration do not depend on each other."""
-    return _walk(prefix, set(p.files), set(), lambda q: [])
-
-
 def _walk(prefix: list, files: set[str], want: set[str], needs_of) -> list:
     """The prefix patches a unit needs, in series order: walking back from the unit,
     each one named in ``want`` or touching a file of the unit or of a patch already
     taken; a taken patch adds its files and the units it needs (``needs_of``) to what
     the walk takes further back. A patch between them and the unit that touches only
-    files of patches before it is not needed (another packer family never is)."""
+    files of patches before it is not needed (another packer family never is: two
+    families of the same migration do not depend on each other)."""
     files, want, taken = set(files), set(want), []
     for q in reversed(prefix):
         if q.id in want or files & set(q.files):

@@ -146,6 +146,15 @@ if __name__ == "__main__":
 '''
 
 
+def _write_series(root: Path, tree: Path) -> None:
+    """patches/<BASE>/ from the base tree's commits (the patch files and the series)."""
+    for old in (root / "patches" / BASE).glob("0*.patch"):
+        old.unlink()
+    names = subprocess.run(["git", "format-patch", f"base/v{BASE}..HEAD", "-o", str(root / "patches" / BASE)],
+                           cwd=tree, check=True, capture_output=True, text=True).stdout.split()
+    (root / "patches" / BASE / "series").write_text("".join(Path(n).name + "\n" for n in names))
+
+
 def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | None = UPSTREAM_TEST,
                later: str | None = None, later_template: str | None = None) -> Path:
     """A root with the pin plus base 9.9: a build tree at its base tag, a one-patch series
@@ -180,9 +189,7 @@ def _base_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str | 
         run_git(tree, "commit", "-q", "-am",
                 "Change the answer\n\nBug: none.\n\nPatch-Id: change-answer\nForwarded: "
                 + ("yes" if later_template else "no"))
-    names = subprocess.run(["git", "format-patch", f"base/v{BASE}..HEAD", "-o", str(root / "patches" / BASE)],
-                           cwd=tree, check=True, capture_output=True, text=True).stdout.split()
-    (root / "patches" / BASE / "series").write_text("".join(Path(n).name + "\n" for n in names))
+    _write_series(root, tree)
     templates = tmp_path / "templates"
     (templates / BASE).mkdir(parents=True)
     if template is not None:
@@ -398,9 +405,7 @@ def test_a_needed_unit_is_stacked_under_a_patch_that_does_not_overlap_it(tmp_pat
     (pkg / "user.py").write_text("from sglang.answer import answer\n\n\ndef doubled():\n    return 2 * answer()\n")
     run_git(tree, "add", "-A")
     run_git(tree, "commit", "-q", "-m", "Double it\n\nBug: none.\n\nFix: twice.\n\nPatch-Id: double-answer\nForwarded: yes")
-    names = subprocess.run(["git", "format-patch", f"base/v{BASE}..HEAD", "-o", str(root / "patches" / BASE)],
-                           cwd=tree, check=True, capture_output=True, text=True).stdout.split()
-    (root / "patches" / BASE / "series").write_text("".join(Path(n).name + "\n" for n in names))
+    _write_series(root, tree)
     templates = tmp_path / "templates" / BASE
     (templates / "double_answer.py").write_text(UPSTREAM_TEST.replace("test_answer.py", "test_double.py").replace(
         "from sglang.answer import answer", "from sglang.user import doubled").replace(
@@ -434,7 +439,7 @@ def test_deps_are_the_prefix_that_overlaps_the_patch():
     an earlier patch on files of its own (another family) stays out."""
     from types import SimpleNamespace as P
 
-    from harness.upstream.prexport import overlapping_prefix
+    from harness.upstream.prexport import _walk
 
     core = P(id="core", files=["a.py", "b.py"])
     family_b = P(id="b", files=["b.py"])
@@ -442,9 +447,12 @@ def test_deps_are_the_prefix_that_overlaps_the_patch():
     first = P(id="first", files=["a.py", "d.py"])
     unrelated = P(id="unrelated", files=["e.py"])
     prefix = [unrelated, first, core, other, family_b]
-    assert [q.id for q in overlapping_prefix(P(files=["b.py"]), prefix)] == ["first", "core", "b"]
-    assert [q.id for q in overlapping_prefix(P(files=["c.py"]), prefix)] == ["other"]
-    assert overlapping_prefix(P(files=["f.py"]), prefix) == []
+    def walk(files):
+        return _walk(prefix, set(files), set(), lambda q: [])
+
+    assert [q.id for q in walk(["b.py"])] == ["first", "core", "b"]
+    assert [q.id for q in walk(["c.py"])] == ["other"]
+    assert walk(["f.py"]) == []
 
 
 def test_bundle_test_trees_are_reused_and_reset(tmp_path, monkeypatch):
@@ -520,11 +528,7 @@ def test_test_code_a_bundle_adds_runs_without_the_change_too(tmp_path, monkeypat
     (tree / "python" / "sglang" / "test" / "expect.py").write_text("EXPECTED = 42\n")
     run_git(tree, "add", "-A")
     run_git(tree, "commit", "-q", "--amend", "--no-edit")
-    for old in (root / "patches" / BASE).glob("0*.patch"):
-        old.unlink()
-    names = subprocess.run(["git", "format-patch", f"base/v{BASE}..HEAD", "-o", str(root / "patches" / BASE)],
-                           cwd=tree, check=True, capture_output=True, text=True).stdout.split()
-    (root / "patches" / BASE / "series").write_text("".join(Path(n).name + "\n" for n in names))
+    _write_series(root, tree)
     [d] = export_from_base(layout(root, base=BASE))
     meta = json.loads((d / "bundle.json").read_text())
     assert meta["verified"]["test_without_patch"] == "FAILED (failures=1)"
