@@ -15,6 +15,7 @@ import argparse
 import json
 import time
 
+from harness import HarnessError
 from harness.patchset.layout import layout
 
 
@@ -29,6 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as a whole model (default llama; '' skips)")
     p.add_argument("--model-hidden", type=int, default=1024,
                    help="hidden size of that tiny model (default 1024)")
+    p.add_argument("--models", nargs="+", metavar="SPEC",
+                   help="instead: these stand-in specs (harness.standins.models), each a tiny real "
+                        "model of the pristine base and of the series side by side, at --tokens, "
+                        "K=--k, --dtype, the spec's own width (as the memory tier runs them)")
+    p.add_argument("--pp", action="store_true",
+                   help="instead: kimi_k3 over two pipeline stages, pristine 0.5.23 against the "
+                        "series, at --tokens x --hidden (BASE=0.5.23; harness.memory.pipeline)")
     from harness.e2e import bench as engine_bench
 
     engine_bench.add_arguments(p)
@@ -51,11 +59,100 @@ def _model_rows(args: argparse.Namespace, device: str) -> list:
     return rows
 
 
+def _run_pp(args: argparse.Namespace) -> int:
+    """kimi_k3's two pipeline stages (the first packs K1 captures, the last K),
+    pristine 0.5.23 against the series: exact live bytes on CPU, one row per stage and
+    token count. Writes build/results/bench/memory-pp.json and memory-pp.md."""
+    from harness.memory.pipeline import kimi_k3_pp_peaks
+    from harness.patchset.pin import load_pin
+    from harness.ranks.sglang import init_sglang_distributed
+
+    if load_pin(layout())["version"] != "0.5.23":
+        raise HarnessError("bench --pp measures 0.5.23's kimi_k3: run it with BASE=0.5.23")
+    init_sglang_distributed(rank=0, world_size=1)
+    rows = [kimi_k3_pp_peaks(tokens, args.hidden, args.dtype) for tokens in args.tokens]
+    out = layout().results / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory-pp.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    lines = [
+        f"kimi_k3 over two pipeline stages (real KimiK3LinearModel.forward, whole-layer "
+        f"stand-ins; K1={rows[0]['k1']} capture on the first stage, K={rows[0]['k']} on the "
+        f"last), H={args.hidden}, {args.dtype}, cpu (live storage, exact), pristine 0.5.23 "
+        "against the series, one process. MiB over baseline.",
+        "",
+        "| T | one capture | stage | pristine | series | series/pristine |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
+    names = {"first_stage_forward": "first: its forward",
+             "last_stage_capture_path": "last: captures handed over + pack",
+             "last_stage_forward_and_pack": "last: its forward + pack"}
+    for r in rows:
+        for key, name in names.items():
+            a, b = r["pin"][key], r["patched"][key]
+            lines.append(f"| {r['tokens']} | {_mib(r['capture_bytes'])} | {name} | {_mib(a)} | "
+                         f"{_mib(b)} | {b / a:.3f} |")
+    md = "\n".join(lines) + "\n"
+    (out / "memory-pp.md").write_text(md)
+    print(md)
+    print(f"[bench] wrote {layout().rel(out / 'memory-pp.json')} and memory-pp.md")
+    return 0
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    """Each named model (a stand-in spec), pristine base against the series, one
+    process: the capture path's exact peak (the captures the forward hands over plus
+    what packing them adds) per token count. Writes memory-models.{json,md}."""
+    import torch
+
+    from harness.memory.models import model_capture_peaks
+    from harness.ranks.sglang import init_sglang_distributed
+    from harness.standins.models import specs
+
+    unknown = [m for m in args.models if m not in specs()]
+    if unknown:
+        raise HarnessError(f"bench --models: no stand-in spec {', '.join(unknown)} on this base")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    init_sglang_distributed(rank=0, world_size=1)
+    layers = [2, 4, 5][: args.k] if args.k <= 3 else list(range(1, args.k + 1))
+    rows = []
+    for name in args.models:
+        for tokens in args.tokens:
+            r = model_capture_peaks(name, tokens, specs()[name].tiny.hidden_size, layers,
+                                    args.dtype, device)
+            rows.append(r)
+    out = layout().results / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory-models.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    lines = [
+        f"Capture path per model (tiny real model, the spec's width, K={len(layers)}, "
+        f"{args.dtype}, {device}; exact live bytes on CPU): the captures the forward hands "
+        "over plus what packing them adds, pristine base against the series, one process. "
+        "Bytes; x = multiples of the captures (K*T*H*itemsize).",
+        "",
+        "| model | T | H | captures | pristine | series | pristine x | series x |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        s, a, b = (r["capture_bytes"], r["pin"]["capture_path_peak_bytes"],
+                   r["patched"]["capture_path_peak_bytes"])
+        lines.append(f"| {r['family']} | {r['tokens']} | {r['hidden']} | {s:,} | {a:,} | {b:,} | "
+                     f"{a / s:.3f} | {b / s:.3f} |")
+    md = "\n".join(lines) + "\n"
+    (out / "memory-models.md").write_text(md)
+    print(md)
+    print(f"[bench] wrote {layout().rel(out / 'memory-models.json')} and memory-models.md")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.engine:
         from harness.e2e import bench as engine_bench
 
         return engine_bench.run(args)
+    if args.pp:
+        return _run_pp(args)
+    if args.models:
+        return _run_models(args)
     import torch
 
     from harness.memory.capture import capture_path

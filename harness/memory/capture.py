@@ -7,8 +7,9 @@ logits processor as one [T, K * H] tensor:
   (its clone decision included), appending to the collector;
 * the model's hand-off: ``finalize()`` for the packer, the list itself otherwise;
 * the logits processor's ``pack_aux_hidden_states`` (``torch.cat`` for a list, the
-  tensor itself when packed); the list is dropped after that, as when the model's
-  forward returns.
+  tensor itself when packed; for a list the release's own, since 0.5.23's series
+  removes the list path: ``harness.memory.models.pack_for_draft``); the list is
+  dropped after that, as when the model's forward returns.
 
 The norm kernel's own scratch is not part of the capture path: on GPU the fused
 add + RMSNorm allocates nothing, and on CPU its stand-in runs with tracking paused.
@@ -96,11 +97,9 @@ class CopyCounter:
 def capture_path(path: str, tokens: int, hidden: int, k: int, dtype="float32", device="cpu"):
     """Runs the capture path; returns peak bytes over baseline and bytes copied."""
     import torch
-    from sglang.srt.layers.aux_hidden_states import (
-        AuxHiddenStatePacker,
-        pack_aux_hidden_states,
-    )
+    from sglang.srt.layers.aux_hidden_states import AuxHiddenStatePacker
 
+    from harness.memory.models import pack_for_draft
     from harness.memory.tracker import make_tracker
     from harness.standins.batch import make_forward_batch
 
@@ -122,7 +121,7 @@ def capture_path(path: str, tokens: int, hidden: int, k: int, dtype="float32", d
             )
         handed_over = collector.finalize() if path == "packer" else collector
         del collector
-        packed = pack_aux_hidden_states(handed_over)
+        packed = pack_for_draft(handed_over)
         del handed_over
         return packed
 

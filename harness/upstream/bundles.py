@@ -112,9 +112,15 @@ class Unit:
 
 def _fill(text: str) -> str:
     """A bundles.toml text as commit paragraphs: blank lines kept, each paragraph
-    wrapped at 72 columns."""
-    paras = [" ".join(p.split()) for p in text.strip().split("\n\n")]
-    return "\n\n".join(textwrap.fill(p, 72, break_on_hyphens=False) for p in paras)
+    wrapped at 72 columns; a table (lines starting with ``|``) kept line by line."""
+    out = []
+    for para in text.strip().split("\n\n"):
+        lines = [line.strip() for line in para.strip().splitlines()]
+        if lines and all(line.startswith("|") for line in lines):
+            out.append("\n".join(lines))
+        else:
+            out.append(textwrap.fill(" ".join(para.split()), 72, break_on_hyphens=False))
+    return "\n\n".join(out)
 
 
 def load(templates: Path, patches: list[Any]) -> list[Unit]:

@@ -134,7 +134,7 @@ def _peaks(module, embeds, monkeypatch):
     """(held + pack, as ``_peak``; all the forward and the pack allocate) of one model."""
     import torch
 
-    from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+    from harness.memory.models import pack_for_draft
 
     from harness.memory.tracker import make_tracker
 
@@ -147,7 +147,7 @@ def _peaks(module, embeds, monkeypatch):
     source, positions, batch = embeds.clone(), torch.arange(embeds.shape[0]), _batch()
     with make_tracker("cpu") as tracker:
         _, aux = _forward(model, source, positions=positions, forward_batch=batch)
-        packed = pack_aux_hidden_states(aux)
+        packed = pack_for_draft(aux)
     del aux, packed
     return capture_path, int(tracker.peak_bytes)
 

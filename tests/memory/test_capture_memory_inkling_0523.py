@@ -125,12 +125,11 @@ def _expected(embeds, layer_ids):
 def _capture_path_bytes(model, embeds):
     """The captures the forward returns plus what packing them adds (live storage)."""
     import torch
-    from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 
-    from harness.memory.models import capture_path_bytes
+    from harness.memory.models import capture_path_bytes, pack_for_draft
 
     _, aux = _forward(model, embeds)
-    torch.testing.assert_close(pack_aux_hidden_states(aux), _expected(embeds, LAYER_IDS))
+    torch.testing.assert_close(pack_for_draft(aux), _expected(embeds, LAYER_IDS))
     return capture_path_bytes(aux)
 
 

@@ -536,3 +536,21 @@ def test_test_code_a_bundle_adds_runs_without_the_change_too(tmp_path, monkeypat
     desc = (d / "description.md").read_text()
     assert "AssertionError: 41 != 42" in desc and "ModuleNotFoundError" not in desc
     assert "python/sglang/test/expect.py" in (d / meta["patches"][0]).read_text()
+
+
+def test_a_bundle_text_keeps_its_tables_line_by_line():
+    """bundles.toml prose is wrapped at 72 columns; a measured table stays a table."""
+    from harness.upstream.bundles import _fill
+
+    text = """
+    A measured figure, long enough that this sentence must wrap once it runs past the
+    seventy-second column of the commit body.
+
+    | stage | before | after |
+    | --- | ---: | ---: |
+    | first | 112 MiB | 56 MiB |
+    """
+    prose, table = _fill(text).split("\n\n")
+    assert all(len(line) <= 72 for line in prose.splitlines()) and "\n" in prose
+    assert table.splitlines() == ["| stage | before | after |", "| --- | ---: | ---: |",
+                                  "| first | 112 MiB | 56 MiB |"]

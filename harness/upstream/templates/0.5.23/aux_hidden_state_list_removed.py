@@ -1,29 +1,31 @@
-# upstream-path: test/registered/unit/models/test_kimi_k3_pp_aux_packer.py
-"""KimiK3LinearModel packs its DSpark aux hidden states into one buffer on
-every pipeline stage.
+# upstream-path: test/registered/unit/models/test_aux_hidden_state_list_removed.py
+"""Every capturing model packs its aux hidden states, pipeline stages included,
+and the list path is gone.
 
 A list of K captures that the logits processor concatenates holds the captures
-and their concatenation at once (2 x K x T x H). KimiK3LinearModel packed them
-into one [T, K * H] buffer (AuxHiddenStatePacker) without pipeline parallelism
-only; with PP > 1 each stage collected a list, a stage that is not the last
-concatenated its own into ``pp_proxy_tensors["dspark_hidden_states"]``, and the
-last one concatenated the received block with its own captures. Now every
-stage packs: a later stage copies the received block (K' captures side by
-side) into its first K' slots, then its own captures; a stage that is not the
-last sends its packed buffer on as it is. Capture ids are layer outputs: on
-the standard residual path layer i's input captures the output of layer
-i - 1 (a stage's first layer the previous stage's last one) and the final
-norm the last layer's; on the attention-residual bank path the mixture after
-layer i is captured, the previous stage's last one at the stage's start. A
-DFlash-family decode CUDA graph passes a slice of one shared buffer on the
-batch (aux_hidden_states_buffer), sized by
-KimiK3LinearForCausalLM.get_aux_hidden_states_width, on every stage.
+and their concatenation at once (2 x K x T x H). KimiK3LinearModel and
+KimiLinearModel packed them into one [T, K * H] buffer (AuxHiddenStatePacker)
+without pipeline parallelism only; with PP > 1 each stage collected a list, a
+stage that is not the last concatenated its own into
+``pp_proxy_tensors["dspark_hidden_states"]``, and the last one concatenated the
+received block with its own captures. Now every stage packs: a later stage
+copies the received block (K' captures side by side) into its first K' slots,
+then its own captures; a stage that is not the last sends its packed buffer on
+as it is. Capture ids are layer outputs: on the standard residual path layer
+i's input captures the output of layer i - 1 (a stage's first layer the
+previous stage's last one) and the final norm the last layer's; on kimi_k3's
+attention-residual bank path the mixture after layer i is captured, the
+previous stage's last one at the stage's start. A DFlash-family decode CUDA
+graph passes a slice of one shared buffer on the batch
+(aux_hidden_states_buffer), sized by get_aux_hidden_states_width, on every
+stage. With no list left, AuxHiddenStateList is removed and
+pack_aux_hidden_states refuses a list instead of concatenating it.
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers, the final read
 and the bank are small stand-ins on the real residual stream
-(``forward_batch.residual_stream``), the bank's mixture a snapshot of the
-stream; KimiK3LinearModel.forward is the real one, run stage by stage with its
-pipeline group overridden.
+(``forward_batch.residual_stream``, sglang.test.aux_capture_test_utils), the
+bank's mixture a snapshot of the stream; the models' forwards are the real
+ones, run stage by stage with the pipeline group overridden.
 """
 
 import types
@@ -32,12 +34,19 @@ import unittest
 import torch
 from torch import nn
 
+from sglang.srt.layers import aux_hidden_states
 from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
-from sglang.srt.model_executor.forward_batch_info import ForwardMode, PPProxyTensors
+from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 from sglang.srt.models.kimi_k3 import KimiK3LinearForCausalLM, KimiK3LinearModel
+from sglang.srt.models.kimi_linear import KimiLinearForCausalLM, KimiLinearModel
 from sglang.srt.runtime_context import get_parallel
+from sglang.test.aux_capture_test_utils import (
+    InPlaceNorm,
+    StreamLayer,
+    forward_batch,
+    stream_after,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -59,40 +68,19 @@ class _FromPP:
         )
 
 
-class _Layer(nn.Module):
-    """Completes the previous layer's output at its boundary, captures it when
-    asked (``capture_gathered``, as the attention boundary takes it), and adds
-    ``layer_id + 1``, left to the next boundary (or the final read)."""
+class _Layer(StreamLayer):
+    """The scaffold's layer with a pipeline entry; kimi_k3 hands its collector
+    as ``capture_gathered``, as its attention boundary takes it."""
 
     def __init__(self, layer_id):
-        super().__init__()
-        self.layer_id = layer_id
+        super().__init__(layer_id)
         self.attn_boundary = _FromPP()
 
-    def forward(
-        self,
-        positions,
-        hidden_states,
-        forward_batch,
-        zero_allocator,
-        capture_gathered=None,
-    ):
-        hidden_states = residual_batch.fold(hidden_states, forward_batch)
-        if capture_gathered is not None:
-            capture_gathered.capture(hidden_states)
-        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
-        return residual_batch.stream_of(forward_batch).record(contribution, PLAIN_ADD)
-
-
-class _InPlaceNorm(nn.Module):
-    """Fused add + RMSNorm: updates its inputs in place, like the GPU kernel."""
-
-    def forward(self, hidden_states, residual=None, **unused_kwargs):
-        if residual is None:
-            return hidden_states.mul_(0.5)
-        residual.add_(hidden_states)
-        hidden_states.copy_(residual * 0.5)
-        return hidden_states, residual
+    def forward(self, positions, hidden_states, forward_batch, *args, **kwargs):
+        gathered = kwargs.pop("capture_gathered", None)
+        if gathered is not None:
+            kwargs["captured_last_layer_outputs"] = gathered
+        return super().forward(positions, hidden_states, forward_batch, **kwargs)
 
 
 class _Bank:
@@ -119,7 +107,7 @@ def _model(layer_ids=None, start_layer=0, end_layer=NUM_LAYERS, bank=False):
     model.start_layer, model.end_layer = start_layer, end_layer
     model.dspark_layers_to_capture = None if layer_ids is None else list(layer_ids)
     model.carries_bank_slices = False
-    model._final_read = _InPlaceNorm()
+    model._final_read = InPlaceNorm()
     model.attn_bank = _Bank() if bank else None
     if bank:
         # The bank's capture is the mixture the next read would form; here the
@@ -138,30 +126,23 @@ def _model(layer_ids=None, start_layer=0, end_layer=NUM_LAYERS, bank=False):
 
 
 def _run(model, embeds, buffer=None, pp_proxy_tensors=None):
-    forward_batch = types.SimpleNamespace(
-        can_run_tbo=False,
-        residual_stream=None,
-        forward_mode=ForwardMode.EXTEND,
-        aux_hidden_states_buffer=buffer,
-    )
     with get_parallel().override(pp_group=model.pp_group):
         return model.forward(
             input_ids=None,
             positions=torch.arange(embeds.shape[0]),
-            forward_batch=forward_batch,
+            forward_batch=forward_batch(aux_buffer=buffer),
             inputs_embeds=embeds,
             pp_proxy_tensors=pp_proxy_tensors,
         )
 
 
-def _two_stages(layer_ids, embeds, bank=False, buffers=(None, None)):
+def _two_stages(layer_ids, embeds, bank=False, buffers=(None, None), model=None):
     """(what the first stage sends, what the last returns), each stage the real
     forward of its own model."""
-    proxy = _run(
-        _model(layer_ids, end_layer=SPLIT, bank=bank), embeds.clone(), buffers[0]
-    )
+    model = model or (lambda ids, **stage: _model(ids, bank=bank, **stage))
+    proxy = _run(model(layer_ids, end_layer=SPLIT), embeds.clone(), buffers[0])
     out = _run(
-        _model(layer_ids, start_layer=SPLIT, bank=bank),
+        model(layer_ids, start_layer=SPLIT),
         torch.empty(0, HIDDEN),
         buffers[1],
         pp_proxy_tensors=PPProxyTensors(dict(proxy.tensors)),
@@ -170,15 +151,15 @@ def _two_stages(layer_ids, embeds, bank=False, buffers=(None, None)):
 
 
 def _after(embeds, layer_id):
-    # The output of layer ``layer_id``: embeds + 1 + ... + (layer_id + 1).
-    return embeds + float(sum(range(1, layer_id + 2)))
+    # The output of layer ``layer_id``, what capture id ``layer_id`` holds.
+    return stream_after(embeds, layer_id)
 
 
 def _expected(embeds, layer_ids):
     return torch.cat([_after(embeds, i) for i in layer_ids], dim=-1)
 
 
-class TestKimiK3PipelineAuxPacker(CustomTestCase):
+class TestKimiK3PipelineStagesPack(CustomTestCase):
     def _check_packed(self, hidden, aux, embeds, layer_ids):
         # One [T, K * H] tensor holding the captures in order, the final norm's
         # output beside it, and the logits processor hands it on as it is.
@@ -275,6 +256,88 @@ class TestKimiK3PipelineAuxPacker(CustomTestCase):
             self.assertEqual(lm.get_aux_hidden_states_width(), 0)
             lm.set_dspark_layers_to_capture(layer_ids)
             self.assertEqual(lm.get_aux_hidden_states_width(), width, stage)
+
+
+def _kimi_linear(layer_ids=None, start_layer=0, end_layer=NUM_LAYERS):
+    model = KimiLinearModel.__new__(KimiLinearModel)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([_Layer(i) for i in range(NUM_LAYERS)])
+    model.start_layer, model.end_layer = start_layer, end_layer
+    model.dspark_layers_to_capture = None if layer_ids is None else list(layer_ids)
+    model.norm = InPlaceNorm()
+    model.pp_group = types.SimpleNamespace(
+        is_first_rank=start_layer == 0,
+        is_last_rank=end_layer == NUM_LAYERS,
+        world_size=1 if (start_layer, end_layer) == (0, NUM_LAYERS) else 2,
+    )
+    model.config = types.SimpleNamespace(hidden_size=HIDDEN)
+    return model
+
+
+class TestKimiLinearPipelineStagesPack(CustomTestCase):
+    def test_stages_send_and_return_one_packed_buffer(self):
+        # The first stage (layers 0, 1) packs ids 0 and 1; the last puts them in
+        # its first two slots and its own id 3 after them.
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        proxy, (hidden, aux) = _two_stages(layer_ids, embeds, model=_kimi_linear)
+        torch.testing.assert_close(
+            proxy["dspark_hidden_states"], _expected(embeds, [0, 1])
+        )
+        self.assertIsInstance(aux, torch.Tensor)
+        torch.testing.assert_close(aux, _expected(embeds, layer_ids))
+        torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
+
+    def test_decode_graph_buffers_are_filled_in_place_on_each_stage(self):
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        first = torch.full((TOKENS + 3, 2 * HIDDEN), float("nan"))
+        last = torch.full((TOKENS + 3, 3 * HIDDEN), float("nan"))
+        proxy, (_, aux) = _two_stages(
+            layer_ids,
+            embeds,
+            buffers=(first[:TOKENS], last[:TOKENS]),
+            model=_kimi_linear,
+        )
+        self.assertEqual(
+            proxy["dspark_hidden_states"].untyped_storage().data_ptr(),
+            first.untyped_storage().data_ptr(),
+        )
+        self.assertEqual(
+            aux.untyped_storage().data_ptr(), last.untyped_storage().data_ptr()
+        )
+        torch.testing.assert_close(last[:TOKENS], _expected(embeds, layer_ids))
+        self.assertTrue(torch.isnan(first[TOKENS:]).all())
+        self.assertTrue(torch.isnan(last[TOKENS:]).all())
+
+    def test_causal_lm_reports_the_packed_width_per_stage(self):
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        for stage, width in (
+            ({"end_layer": SPLIT}, 2 * HIDDEN),
+            ({"start_layer": SPLIT}, 3 * HIDDEN),
+        ):
+            lm = KimiLinearForCausalLM.__new__(KimiLinearForCausalLM)
+            nn.Module.__init__(lm)
+            lm.model = _kimi_linear(layer_ids, **stage)
+            lm.config = types.SimpleNamespace(hidden_size=HIDDEN)
+            lm.capture_aux_hidden_states = True
+            self.assertEqual(lm.get_aux_hidden_states_width(), width, stage)
+
+
+class TestListPathRemoved(CustomTestCase):
+    def test_the_list_collector_is_gone(self):
+        self.assertFalse(hasattr(aux_hidden_states, "AuxHiddenStateList"))
+        self.assertIs(
+            aux_hidden_states.AuxHiddenStateAccumulator,
+            aux_hidden_states.AuxHiddenStatePacker,
+        )
+
+    def test_pack_hands_on_the_packed_tensor_and_refuses_a_list(self):
+        captures = [torch.randn(TOKENS, HIDDEN) for _ in range(3)]
+        packed = torch.cat(captures, dim=-1)
+        self.assertIs(pack_aux_hidden_states(packed), packed)
+        with self.assertRaisesRegex(TypeError, "AuxHiddenStatePacker"):
+            pack_aux_hidden_states(captures)
 
 
 if __name__ == "__main__":
