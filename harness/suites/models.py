@@ -174,7 +174,7 @@ def capture_case(
     else:
         spec.configure(m, layers_to_capture)
     try:
-        with (serving_final_layer_capture(final_layer_capture), fusion_mode(fusion),
+        with (serving_final_layer_capture(final_layer_capture, m), fusion_mode(fusion),
               _tbo_executor(m, tbo_layers, enabled=tbo)):
             final, aux = _forward(m, input_ids(num_tokens, spec.tiny.vocab_size), mode, tbo=tbo)
     finally:
@@ -232,21 +232,33 @@ def tbo_plan(layers, forward_batch):
 
 
 @contextlib.contextmanager
-def serving_final_layer_capture(value: str):
-    """The process's final-layer capture set to ``value`` for the block, as the model
+def serving_final_layer_capture(value: str, model):
+    """``model``'s final-layer capture set to ``value`` for the block, as the model
     runner sets it (``set_final_layer_capture``, patch final-layer-capture), then back to
-    ``pre_norm``. ``pre_norm`` touches nothing, so a tree without the setting runs the
-    default; any other value needs it (ImportError there)."""
+    ``pre_norm``. 0.5.23's series holds it on the model's capturing modules
+    (``set_final_layer_capture(model, value)``); the pin's, process-wide
+    (``set_final_layer_capture(value)``). ``pre_norm`` touches nothing, so a tree
+    without the setting runs the default; any other value needs it (ImportError there)."""
     if value == "pre_norm":
         yield
         return
+    import inspect
+
     from sglang.srt.layers.aux_hidden_states import set_final_layer_capture
 
-    set_final_layer_capture(value)
+    per_model = len(inspect.signature(set_final_layer_capture).parameters) == 2
+
+    def serve(v):
+        if per_model:
+            set_final_layer_capture(model, v)
+        else:
+            set_final_layer_capture(v)
+
+    serve(value)
     try:
         yield
     finally:
-        set_final_layer_capture("pre_norm")
+        serve("pre_norm")
 
 
 @contextlib.contextmanager
@@ -397,7 +409,7 @@ def compiled_matches_eager(name: str, layers_to_capture: Sequence[int], num_toke
 
     spec.configure(model, layers_to_capture)
     try:
-        with serving_final_layer_capture(final_layer_capture), torch.no_grad():
+        with serving_final_layer_capture(final_layer_capture, model), torch.no_grad():
             eager = [t.clone() for t in _tensors(spec.run(model, ids, positions, make_forward_batch(ids),
                                                           **inputs))]
             with torch._dynamo.config.patch(disable=False):

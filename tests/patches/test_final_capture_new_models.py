@@ -252,7 +252,7 @@ def test_post_norm_last_capture_is_the_final_norm_output(sglang_tp1, name):
     model = _build(name)
     _set_ids(model, name, [1, NUM_LAYERS])
     embeds = torch.randn(TOKENS, HIDDEN)
-    with serving_final_layer_capture("post_norm"):
+    with serving_final_layer_capture("post_norm", model):
         hidden, aux = _forward(model, embeds.clone())
     last = pack_aux_hidden_states(aux).split(HIDDEN, dim=-1)[-1]
     torch.testing.assert_close(last, _after(embeds, NUM_LAYERS) * 3.0 - 1.0)
@@ -326,7 +326,7 @@ def test_in_loop_models_serve_both_sides_of_the_final_norm(sglang_tp1, name, val
     model = (_kimi_linear if name == "kimi_linear" else _muse_spark)(ids)
     embeds = torch.randn(TOKENS, HIDDEN, dtype=torch.float32)
     embeds_kw = "inputs_embeds" if name == "kimi_linear" else "input_embeds"
-    with serving_final_layer_capture(value):
+    with serving_final_layer_capture(value, model):
         hidden, aux = _forward(model, embeds.clone(), embeds_kw=embeds_kw)
     # A list (muse_spark), or one packed tensor (kimi_linear, kimi-linear-aux-packer).
     packed = pack_aux_hidden_states(aux)
@@ -381,13 +381,12 @@ def test_in_loop_models_refuse_post_norm_at_start_up(sglang_tp1, module, cls):
     set_calls = []
     model.set_dflash_layers_to_capture = set_calls.append
     model.set_dspark_layers_to_capture = set_calls.append
-    before = final_layer_capture_post_norm()
     with pytest.raises(ValueError) as info:
         _configure(model, "post_norm")
     message = str(info.value)
     assert "\n" not in message and cls in message and "post_norm" in message, message
-    # Refused before anything changed: no setter ran, the setting is as it was.
-    assert set_calls == [] and final_layer_capture_post_norm() == before
+    # Refused before anything changed: no setter ran, nothing holds the setting.
+    assert set_calls == [] and not final_layer_capture_post_norm(model)
     # pre_norm, what they serve, still configures.
     _configure(model, "pre_norm")
     assert set_calls == [[0, 1]]
@@ -443,16 +442,23 @@ def test_beam_is_configured_for_post_norm(sglang_tp1):
     which the model matrix checks for both loops)."""
     from torch import nn
 
-    from sglang.srt.layers.aux_hidden_states import final_layer_capture_post_norm, set_final_layer_capture
-    from sglang.srt.models.beam import BeamForCausalLM
+    from sglang.srt.layers.aux_hidden_states import final_layer_capture_post_norm
+    from sglang.srt.models.beam import BeamForCausalLM, BeamModel
 
     model = BeamForCausalLM.__new__(BeamForCausalLM)
     nn.Module.__init__(model)
+    model.model = BeamModel.__new__(BeamModel)
+    nn.Module.__init__(model.model)
+    model.model.layers_to_capture = []
     set_calls = []
-    model.set_dflash_layers_to_capture = set_calls.append
-    model.set_dspark_layers_to_capture = set_calls.append
-    try:
-        _configure(model, "post_norm")
-        assert set_calls == [[0, 1]] and final_layer_capture_post_norm()
-    finally:
-        set_final_layer_capture("pre_norm")
+
+    def set_ids(ids):
+        set_calls.append(ids)
+        model.model.layers_to_capture = list(ids)
+
+    model.set_dflash_layers_to_capture = set_ids
+    model.set_dspark_layers_to_capture = set_ids
+    _configure(model, "post_norm")
+    # The setting is held by the module whose forward reads it, the one that keeps
+    # the ids the setter set.
+    assert set_calls == [[0, 1]] and final_layer_capture_post_norm(model.model)

@@ -68,7 +68,20 @@ def test_unknown_draft_value_is_one_error_naming_its_source(sglang_tp1):
     assert "dflash_config.final_layer_capture='postnorm'" in message and "post_norm" in message
     with pytest.raises(ValueError, match="--speculative-final-layer-capture='x'"):
         resolve_final_layer_capture("x", None, "eagle_config")
-    # a refused value leaves the process's setting as it was
+    if _held_by_the_model(set_final_layer_capture):
+        # 0.5.23: the modules that keep capture ids hold it; a refused value leaves
+        # theirs as it was, and another model keeps its own.
+        from torch import nn
+
+        target, other = nn.Module(), nn.Module()
+        target.layers_to_capture, other.layers_to_capture = [1], [1]
+        set_final_layer_capture(target, "post_norm")
+        with pytest.raises(ValueError):
+            set_final_layer_capture(target, "PRE_NORM")
+        assert final_layer_capture_post_norm(target)
+        assert not final_layer_capture_post_norm(other)
+        return
+    # the pin: a refused value leaves the process's setting as it was
     set_final_layer_capture("post_norm")
     try:
         with pytest.raises(ValueError):
@@ -77,6 +90,14 @@ def test_unknown_draft_value_is_one_error_naming_its_source(sglang_tp1):
     finally:
         set_final_layer_capture("pre_norm")
     assert not final_layer_capture_post_norm()
+
+
+def _held_by_the_model(set_final_layer_capture) -> bool:
+    """0.5.23's series holds the setting on the model (``set_final_layer_capture(model,
+    value)``); the pin's is process-wide (``set_final_layer_capture(value)``)."""
+    import inspect
+
+    return len(inspect.signature(set_final_layer_capture).parameters) == 2
 
 
 @pytest.mark.bases("0.5.23")

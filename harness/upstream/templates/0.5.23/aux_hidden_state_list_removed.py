@@ -194,17 +194,20 @@ class TestKimiK3PipelineStagesPack(CustomTestCase):
 
         layer_ids = [0, 1, NUM_LAYERS - 1]
         embeds = torch.randn(TOKENS, HIDDEN)
-        set_final_layer_capture("post_norm")
-        try:
-            for bank in (False, True):
-                _, (hidden, aux) = _two_stages(layer_ids, embeds, bank=bank)
-                torch.testing.assert_close(
-                    aux[:, : 2 * HIDDEN], _expected(embeds, [0, 1])
-                )
-                torch.testing.assert_close(aux[:, 2 * HIDDEN :], hidden)
-                torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
-        finally:
-            set_final_layer_capture("pre_norm")
+
+        def post_norm(bank):
+            def build(ids, **stage):
+                model = _model(ids, bank=bank, **stage)
+                set_final_layer_capture(model, "post_norm")
+                return model
+
+            return build
+
+        for bank in (False, True):
+            _, (hidden, aux) = _two_stages(layer_ids, embeds, model=post_norm(bank))
+            torch.testing.assert_close(aux[:, : 2 * HIDDEN], _expected(embeds, [0, 1]))
+            torch.testing.assert_close(aux[:, 2 * HIDDEN :], hidden)
+            torch.testing.assert_close(hidden, _after(embeds, NUM_LAYERS - 1) * 0.5)
 
     def test_decode_graph_buffers_are_filled_in_place_on_each_stage(self):
         # The first stage sends its graph buffer itself; the last stage's

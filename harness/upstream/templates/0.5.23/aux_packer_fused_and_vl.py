@@ -574,11 +574,8 @@ class TestAuxPackerFusedAndVL(CustomTestCase):
             with self.subTest(model=family.name):
                 model = family.build(family.ids)
                 embeds, extra = family.inputs()
-                set_final_layer_capture("post_norm")
-                try:
-                    hidden, aux = _forward(model, embeds, extra)
-                finally:
-                    set_final_layer_capture("pre_norm")
+                set_final_layer_capture(model, "post_norm")
+                hidden, aux = _forward(model, embeds, extra)
                 values, final = family.reference(model, embeds, **extra)
                 self.assertIsInstance(aux, torch.Tensor)
                 expected = [values[i] for i in family.ids[:-1]] + [final]

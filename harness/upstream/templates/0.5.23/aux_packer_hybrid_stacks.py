@@ -461,26 +461,23 @@ class TestHybridStacksAuxPacker(CustomTestCase):
         # layer-capture): post_norm takes the final norm's output, copied into
         # its slot.
         layer_ids = [1, NUM_LAYERS - 1]
-        set_final_layer_capture("post_norm")
-        try:
-            for spec in SPECS:
-                with self.subTest(model=spec.name):
-                    embeds = torch.randn(TOKENS, HIDDEN)
-                    model = _capturing(spec, layer_ids)
-                    hidden, aux = _run(spec, model, embeds.clone())
-                    self.assertIsInstance(aux, torch.Tensor)
-                    torch.testing.assert_close(
-                        hidden, stream_after(embeds, NUM_LAYERS - 1) * 0.5
-                    )
-                    torch.testing.assert_close(
-                        aux, torch.cat([stream_after(embeds, 1), hidden], dim=-1)
-                    )
-                    self.assertNotEqual(
-                        aux.untyped_storage().data_ptr(),
-                        hidden.untyped_storage().data_ptr(),
-                    )
-        finally:
-            set_final_layer_capture("pre_norm")
+        for spec in SPECS:
+            with self.subTest(model=spec.name):
+                embeds = torch.randn(TOKENS, HIDDEN)
+                model = _capturing(spec, layer_ids)
+                set_final_layer_capture(model, "post_norm")
+                hidden, aux = _run(spec, model, embeds.clone())
+                self.assertIsInstance(aux, torch.Tensor)
+                torch.testing.assert_close(
+                    hidden, stream_after(embeds, NUM_LAYERS - 1) * 0.5
+                )
+                torch.testing.assert_close(
+                    aux, torch.cat([stream_after(embeds, 1), hidden], dim=-1)
+                )
+                self.assertNotEqual(
+                    aux.untyped_storage().data_ptr(),
+                    hidden.untyped_storage().data_ptr(),
+                )
 
     def test_decode_graph_buffer_is_filled_in_place(self):
         layer_ids = [1, NUM_LAYERS - 1]

@@ -75,7 +75,9 @@ class TestAuxPackerInfra(CustomTestCase):
 
     def test_width_is_k_hidden_while_capturing(self):
         model = _Model(0, 4, [1, 2, 4])
-        self.assertEqual(_CausalLM(model, True).get_aux_hidden_states_width(), 3 * HIDDEN)
+        self.assertEqual(
+            _CausalLM(model, True).get_aux_hidden_states_width(), 3 * HIDDEN
+        )
         self.assertEqual(_CausalLM(model, False).get_aux_hidden_states_width(), 0)
         # A subclass whose model does not pack (an MTP draft, another backbone).
         self.assertEqual(_CausalLM(object(), True).get_aux_hidden_states_width(), 0)
@@ -132,7 +134,9 @@ class TestAuxHiddenStatePackerChecks(CustomTestCase):
                     # Bitwise: the slots not yet written are uninitialised
                     # memory, which may hold NaN (never equal to itself).
                     self.assertTrue(
-                        torch.equal(packer._buffer.view(torch.int32), before.view(torch.int32))
+                        torch.equal(
+                            packer._buffer.view(torch.int32), before.view(torch.int32)
+                        )
                     )
                     self.assertEqual(len(packer), 1)
 

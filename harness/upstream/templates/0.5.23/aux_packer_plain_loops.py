@@ -341,12 +341,12 @@ class TestAuxPackerPlainLoops(CustomTestCase):
                 self.assertIs(pack_aux_hidden_states(aux), aux)
 
     def test_post_norm_last_capture_fills_the_last_slot(self):
-        set_final_layer_capture("post_norm")
-        self.addCleanup(set_final_layer_capture, "pre_norm")
         for spec in MODELS:
             with self.subTest(model=spec.name):
                 embeds = torch.randn(TOKENS, HIDDEN)
-                hidden, aux = _run(_model(spec, [1, NUM_LAYERS]), embeds.clone())
+                model = _model(spec, [1, NUM_LAYERS])
+                set_final_layer_capture(model, "post_norm")
+                hidden, aux = _run(model, embeds.clone())
                 self.assertIsInstance(aux, torch.Tensor)
                 self.assertEqual(tuple(aux.shape), (TOKENS, 2 * HIDDEN))
                 first, last = aux.split(HIDDEN, dim=-1)

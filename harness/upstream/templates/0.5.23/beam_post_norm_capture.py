@@ -49,7 +49,9 @@ class _Linear(nn.Module):
         super().__init__()
         _Linear.seed += 1
         g = torch.Generator().manual_seed(_Linear.seed)
-        self.weight = torch.randn(config.hidden_size, config.hidden_size, generator=g) / 3
+        self.weight = (
+            torch.randn(config.hidden_size, config.hidden_size, generator=g) / 3
+        )
 
     def forward(self, *args, **kwargs):
         hidden = args[1] if len(args) > 1 else args[0]
@@ -58,17 +60,26 @@ class _Linear(nn.Module):
 
 def _model(fused):
     config = BeamConfig(
-        vocab_size=32, hidden_size=HIDDEN, intermediate_size=16,
-        num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=4, sliding_window=4, mlp_layer_types=["dense"] * LAYERS,
+        vocab_size=32,
+        hidden_size=HIDDEN,
+        intermediate_size=16,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        sliding_window=4,
+        mlp_layer_types=["dense"] * LAYERS,
     )
     with (
         mock.patch.object(beam, "BeamAttention", _Linear),
         mock.patch.object(beam, "BeamMLP", _Linear),
-        mock.patch.object(beam, "get_parallel", lambda: types.SimpleNamespace(attn_dp_size=1)),
+        mock.patch.object(
+            beam, "get_parallel", lambda: types.SimpleNamespace(attn_dp_size=1)
+        ),
     ):
         layers = nn.ModuleList(
-            beam.BeamDecoderLayer(config, i, prefix=f"layers.{i}") for i in range(LAYERS)
+            beam.BeamDecoderLayer(config, i, prefix=f"layers.{i}")
+            for i in range(LAYERS)
         )
     model = beam.BeamModel.__new__(beam.BeamModel)
     nn.Module.__init__(model)
@@ -76,7 +87,9 @@ def _model(fused):
     model.start_layer, model.end_layer = 0, LAYERS
     model.norm = RMSNorm(HIDDEN, eps=config.rms_norm_eps)
     model.norm.weight.data = torch.linspace(0.5, 1.5, HIDDEN)
-    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=1)
+    model.pp_group = types.SimpleNamespace(
+        is_first_rank=True, is_last_rank=True, world_size=1
+    )
     model.has_full_attention = True
     model.layers_to_capture = LAYER_IDS
     model.fuse_moe_all_reduce = False
@@ -89,18 +102,14 @@ def _model(fused):
 
 
 def _run(model, embeds, value):
-    previous = "post_norm" if aux_hidden_states.final_layer_capture_post_norm() else "pre_norm"
-    aux_hidden_states.set_final_layer_capture(value)
-    try:
-        with torch.no_grad():
-            return model.forward(
-                input_ids=None,
-                positions=torch.arange(embeds.shape[0]),
-                forward_batch=types.SimpleNamespace(aux_hidden_states_buffer=None),
-                input_embeds=embeds,
-            )
-    finally:
-        aux_hidden_states.set_final_layer_capture(previous)
+    aux_hidden_states.set_final_layer_capture(model, value)
+    with torch.no_grad():
+        return model.forward(
+            input_ids=None,
+            positions=torch.arange(embeds.shape[0]),
+            forward_batch=types.SimpleNamespace(aux_hidden_states_buffer=None),
+            input_embeds=embeds,
+        )
 
 
 class TestBeamPostNormCapture(CustomTestCase):
@@ -129,20 +138,17 @@ class TestBeamPostNormCapture(CustomTestCase):
         model.model.layers_to_capture = ()
         model.config = model.model.config
         model.capture_aux_hidden_states = False
-        try:
-            attention_backend_setup.configure_aux_hidden_state_capture(
-                model=model,
-                eagle_use_aux_hidden_state=False,
-                eagle_aux_hidden_state_layer_ids=None,
-                dflash_use_aux_hidden_state=True,
-                dflash_target_layer_ids=list(LAYER_IDS),
-                is_dspark=False,
-                final_layer_capture="post_norm",
-            )
-            self.assertEqual(tuple(model.model.layers_to_capture), LAYER_IDS)
-            self.assertTrue(aux_hidden_states.final_layer_capture_post_norm())
-        finally:
-            aux_hidden_states.set_final_layer_capture("pre_norm")
+        attention_backend_setup.configure_aux_hidden_state_capture(
+            model=model,
+            eagle_use_aux_hidden_state=False,
+            eagle_aux_hidden_state_layer_ids=None,
+            dflash_use_aux_hidden_state=True,
+            dflash_target_layer_ids=list(LAYER_IDS),
+            is_dspark=False,
+            final_layer_capture="post_norm",
+        )
+        self.assertEqual(tuple(model.model.layers_to_capture), LAYER_IDS)
+        self.assertTrue(aux_hidden_states.final_layer_capture_post_norm(model.model))
 
 
 if __name__ == "__main__":

@@ -22,10 +22,7 @@ from unittest import mock
 
 import torch
 
-from sglang.srt.layers.aux_hidden_states import (
-    AuxHiddenStateList,
-    AuxHiddenStatePacker,
-)
+from sglang.srt.layers.aux_hidden_states import AuxHiddenStatePacker
 from sglang.srt.layers.layer_boundary.adapters import attention
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.test.boundary_fixtures import (
@@ -127,13 +124,13 @@ class TestStageCaptureGatherScattered(unittest.TestCase):
         return layer_output, stream.residual
 
     def test_scattered_capture_covers_every_token(self):
-        aux = AuxHiddenStateList()
+        aux = AuxHiddenStatePacker(1)
         layer_output, local_residual = self._prepare(aux, extend=True)
         # This rank keeps its share of the tokens in the residual ...
         self.assertEqual(local_residual.shape[0], TOKENS // TP)
         torch.testing.assert_close(local_residual, layer_output.tensor_split(TP)[0])
         # ... and captures all of them, gathered over the TP group.
-        (capture,) = aux
+        capture = aux.finalize()
         self.assertEqual(tuple(capture.shape), (TOKENS, HIDDEN))
         torch.testing.assert_close(capture, layer_output)
         torch.testing.assert_close(self.group.gathered[-1], local_residual)
@@ -156,9 +153,9 @@ class TestStageCaptureGatherScattered(unittest.TestCase):
     def test_unscattered_capture_is_the_residual(self):
         # A decode batch is not scattered: the residual covers every token, and
         # the capture takes it as it is.
-        aux = AuxHiddenStateList()
+        aux = AuxHiddenStatePacker(1)
         layer_output, residual = self._prepare(aux, extend=False)
-        (capture,) = aux
+        capture = aux.finalize()
         self.assertEqual(tuple(capture.shape), (TOKENS, HIDDEN))
         torch.testing.assert_close(capture, residual)
         torch.testing.assert_close(capture, layer_output)

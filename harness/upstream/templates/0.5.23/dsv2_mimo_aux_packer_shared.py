@@ -49,8 +49,15 @@ class _Layer(nn.Module):
         self.layer_id = layer_id
         self.returns_topk = returns_topk
 
-    def forward(self, positions, hidden_states, forward_batch, *args,
-                captured_last_layer_outputs=None, **kwargs):
+    def forward(
+        self,
+        positions,
+        hidden_states,
+        forward_batch,
+        *args,
+        captured_last_layer_outputs=None,
+        **kwargs,
+    ):
         hidden_states = residual_batch.fold(hidden_states, forward_batch)
         if captured_last_layer_outputs is not None:
             captured_last_layer_outputs.capture(hidden_states)
@@ -95,7 +102,9 @@ def _causal_lm(name):
     model.start_layer, model.end_layer = 0, NUM_LAYERS
     model.layers_to_capture = []
     model.norm = _Norm()
-    model.config = types.SimpleNamespace(num_hidden_layers=NUM_LAYERS, hidden_size=HIDDEN)
+    model.config = types.SimpleNamespace(
+        num_hidden_layers=NUM_LAYERS, hidden_size=HIDDEN
+    )
     model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
     lm = cls.__new__(cls)
     nn.Module.__init__(lm)
@@ -114,8 +123,9 @@ def _run(model, embeds, buffer=None):
         return_hidden_states_before_norm=False,
         aux_hidden_states_buffer=buffer,
     )
-    out = model.forward(None, torch.arange(embeds.shape[0]), forward_batch,
-                        input_embeds=embeds)
+    out = model.forward(
+        None, torch.arange(embeds.shape[0]), forward_batch, input_embeds=embeds
+    )
     return out[-1]
 
 
@@ -131,7 +141,9 @@ class TestDeepseekMiMoAuxBuffer(CustomTestCase):
                 for draft_worker, width in ((False, want), (True, 0)):
                     self.assertEqual(
                         resolve_aux_hidden_states_width(
-                            model=lm, spec_algorithm=DFLASH, is_draft_worker=draft_worker
+                            model=lm,
+                            spec_algorithm=DFLASH,
+                            is_draft_worker=draft_worker,
                         ),
                         width,
                     )

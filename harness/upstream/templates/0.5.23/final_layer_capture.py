@@ -74,7 +74,9 @@ def _stream_after(embeds, num_layers):
     return stream_after(embeds, num_layers - 1, step=10.0)
 
 
-def _build(model_cls, capture_ids):
+def _build(model_cls, capture_ids, setting=None):
+    """The model over stand-in layers; ``setting``: its final-layer capture, as the
+    model runner hands it over (None: never set)."""
     returns_topk = model_cls is DeepseekV2Model
     model = model_cls.__new__(model_cls)
     nn.Module.__init__(model)
@@ -93,6 +95,8 @@ def _build(model_cls, capture_ids):
         model.first_k_dense_replace = 0
         model.llama_4_scaling_config = None
         model.next_full_attention_layer_id = {}
+    if setting is not None:
+        set_final_layer_capture(model, setting)
     return model
 
 
@@ -109,16 +113,9 @@ def _forward(model, embeds, idle=False):
 
 
 class TestFinalLayerCapture(CustomTestCase):
-    def setUp(self):
-        set_final_layer_capture("pre_norm")
-
-    def tearDown(self):
-        set_final_layer_capture("pre_norm")
-
     def _captures(self, model_cls, setting):
-        set_final_layer_capture(setting)
         embeds = torch.randn(TOKENS, HIDDEN)
-        hidden, aux = _forward(_build(model_cls, CAPTURE_IDS), embeds.clone())
+        hidden, aux = _forward(_build(model_cls, CAPTURE_IDS, setting), embeds.clone())
         self.assertEqual(len(aux), len(CAPTURE_IDS), "one capture per id")
         # Capture id i < NUM_LAYERS is the input of layer i in both settings.
         for capture, layer_id in zip(aux[:-1], CAPTURE_IDS[:-1]):
@@ -138,7 +135,27 @@ class TestFinalLayerCapture(CustomTestCase):
         torch.testing.assert_close(last, norm_output)
 
     def test_default_is_pre_norm(self):
-        self.assertFalse(final_layer_capture_post_norm())
+        for model_cls in (LlamaModel, DeepseekV2Model):
+            with self.subTest(model=model_cls.__name__):
+                model = _build(model_cls, CAPTURE_IDS)
+                self.assertFalse(final_layer_capture_post_norm(model))
+                embeds = torch.randn(TOKENS, HIDDEN)
+                _, aux = _forward(model, embeds.clone())
+                torch.testing.assert_close(aux[-1], _stream_after(embeds, NUM_LAYERS))
+
+    def test_the_setting_is_each_models_own(self):
+        # Two models in one process (a target and another one), each with its own
+        # setting: setting one leaves the other as it was.
+        embeds = torch.randn(TOKENS, HIDDEN)
+        post = _build(LlamaModel, CAPTURE_IDS, "post_norm")
+        pre = _build(LlamaModel, CAPTURE_IDS, "pre_norm")
+        unset = _build(LlamaModel, CAPTURE_IDS)
+        norm_input = _stream_after(embeds, NUM_LAYERS)
+        torch.testing.assert_close(
+            _forward(post, embeds.clone())[1][-1], norm_input * 3.0 - 1.0
+        )
+        torch.testing.assert_close(_forward(pre, embeds.clone())[1][-1], norm_input)
+        torch.testing.assert_close(_forward(unset, embeds.clone())[1][-1], norm_input)
 
     def test_llama_pre_norm(self):
         self._check_pre_norm(LlamaModel)
@@ -154,17 +171,16 @@ class TestFinalLayerCapture(CustomTestCase):
 
     def test_deepseek_v2_post_norm_idle_batch(self):
         # An idle batch skips the final norm; the last slot is still filled.
-        set_final_layer_capture("post_norm")
-        model = _build(DeepseekV2Model, [1, NUM_LAYERS])
+        model = _build(DeepseekV2Model, [1, NUM_LAYERS], "post_norm")
         _, aux = _forward(model, torch.empty(0, HIDDEN), idle=True)
         self.assertEqual([tuple(a.shape) for a in aux], [(0, HIDDEN), (0, HIDDEN)])
 
     def test_post_norm_without_a_last_layer_capture(self):
-        set_final_layer_capture("post_norm")
         embeds = torch.randn(TOKENS, HIDDEN)
         for model_cls in (LlamaModel, DeepseekV2Model):
             with self.subTest(model=model_cls.__name__):
-                _, aux = _forward(_build(model_cls, [1, 2]), embeds.clone())
+                model = _build(model_cls, [1, 2], "post_norm")
+                _, aux = _forward(model, embeds.clone())
                 self.assertEqual(len(aux), 2)
                 torch.testing.assert_close(aux[1], _stream_after(embeds, 2))
 
@@ -256,9 +272,10 @@ class TestResolveFinalLayerCapture(CustomTestCase):
             )
         with self.assertRaisesRegex(ValueError, "--speculative-final-layer-capture"):
             resolve_final_layer_capture("postnorm", None, "eagle_config")
+        model = _build(LlamaModel, CAPTURE_IDS)
         with self.assertRaises(ValueError):
-            set_final_layer_capture("normed")
-        self.assertFalse(final_layer_capture_post_norm())
+            set_final_layer_capture(model, "normed")
+        self.assertFalse(final_layer_capture_post_norm(model))
 
 
 class TestInLoopModelsRefusePostNorm(CustomTestCase):
@@ -294,9 +311,26 @@ class TestInLoopModelsRefusePostNorm(CustomTestCase):
                 with self.assertRaisesRegex(ValueError, model_cls.__name__):
                     self._configure(model, "post_norm")
                 self.assertEqual(calls, [])
-                self.assertFalse(final_layer_capture_post_norm())
+                self.assertFalse(final_layer_capture_post_norm(model))
                 self._configure(model, "pre_norm")
                 self.assertEqual(calls, [[0, 1]])
+
+    def test_configure_hands_the_setting_to_the_capturing_module(self):
+        # The runner's entry point: after the setters, the module that keeps the
+        # capture ids holds the setting, and its forward reads it.
+        class Wrapper(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = _build(LlamaModel, [])
+
+            def set_dflash_layers_to_capture(self, layer_ids):
+                self.model.layers_to_capture = [i + 1 for i in layer_ids]
+
+        wrapper = Wrapper()
+        self._configure(wrapper, "post_norm")
+        self.assertEqual(wrapper.model.layers_to_capture, [1, 2])
+        self.assertTrue(final_layer_capture_post_norm(wrapper.model))
+        self.assertFalse(hasattr(wrapper, "final_layer_capture"))
 
 
 if __name__ == "__main__":

@@ -233,5 +233,6 @@ class TestModelsCaptureSetters(CustomTestCase):
                 self.assertEqual(language_model.layers_to_capture, expected)
                 self.assertTrue(holder.capture_aux_hidden_states)
 
+
 if __name__ == "__main__":
     unittest.main()

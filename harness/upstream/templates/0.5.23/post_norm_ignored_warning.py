@@ -53,17 +53,22 @@ class _External(nn.Module):
 
 class TestFinalLayerCaptureIgnored(CustomTestCase):
     def _warnings(self, model, eagle3=None, dflash=None):
-        with mock.patch.object(
-            attention_backend_setup,
-            "get_exec",
-            lambda: types.SimpleNamespace(
-                overlap=types.SimpleNamespace(enable_two_batch_overlap=False)
+        with (
+            mock.patch.object(
+                attention_backend_setup,
+                "get_exec",
+                lambda: types.SimpleNamespace(
+                    overlap=types.SimpleNamespace(enable_two_batch_overlap=False)
+                ),
             ),
-        ), mock.patch.object(attention_backend_setup.logger, "warning") as warning:
+            mock.patch.object(attention_backend_setup.logger, "warning") as warning,
+        ):
             attention_backend_setup.configure_aux_hidden_state_capture(
                 model=model,
                 eagle_use_aux_hidden_state=eagle3 is not None,
-                eagle_aux_hidden_state_layer_ids=None if eagle3 == "default" else eagle3,
+                eagle_aux_hidden_state_layer_ids=None
+                if eagle3 == "default"
+                else eagle3,
                 dflash_use_aux_hidden_state=dflash is not None,
                 dflash_target_layer_ids=dflash,
                 is_dspark=False,

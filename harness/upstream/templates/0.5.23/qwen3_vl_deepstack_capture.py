@@ -201,7 +201,9 @@ class TestQwen3VLDeepstackCapture(CustomTestCase):
                     model.set_deepstack_capture("pre_deepstack")
                     torch.testing.assert_close(
                         _captures(model, embeds.clone(), None),
-                        _expected(embeds, torch.zeros(TOKENS, NUM_DEEPSTACK * HIDDEN), True),
+                        _expected(
+                            embeds, torch.zeros(TOKENS, NUM_DEEPSTACK * HIDDEN), True
+                        ),
                     )
 
 

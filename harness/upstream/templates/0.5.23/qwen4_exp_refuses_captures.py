@@ -26,9 +26,7 @@ register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
 
 def _wrapper():
-    wrapper = Qwen4ExpForConditionalGeneration.__new__(
-        Qwen4ExpForConditionalGeneration
-    )
+    wrapper = Qwen4ExpForConditionalGeneration.__new__(Qwen4ExpForConditionalGeneration)
     nn.Module.__init__(wrapper)
     model = Qwen4ExpVLModel.__new__(Qwen4ExpVLModel)
     nn.Module.__init__(model)
