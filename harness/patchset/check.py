@@ -245,6 +245,41 @@ def check_style(lay: Layout, tree: Path, names: list[str]) -> list[str]:
     return problems
 
 
+# The PR unit tests pr-export adds to each upstream bundle (harness/upstream/templates/,
+# one folder per other base): new files upstream, so held to the base's style with no
+# baseline.
+TEMPLATES = ROOT / "harness" / "upstream" / "templates"
+
+
+def check_template_style(lay: Layout, tree: Path) -> list[str]:
+    """The base's style checks on each PR test template, as it goes upstream (its
+    ``# upstream-path:`` line dropped), laid out in ``tree`` so the checks read that
+    tree's configuration."""
+    folder = TEMPLATES if lay.base is None else TEMPLATES / lay.base
+    templates = sorted(folder.glob("*.py"))
+    if not templates:
+        return []
+    problems = []
+    with scratch_dir(tree, "templates") as tmp:
+        copies = []
+        for t in templates:
+            text = re.sub(r"^# upstream-path:.*\n", "", t.read_text(), count=1, flags=re.M)
+            (Path(tmp) / t.name).write_text(text)
+            copies.append((t, Path(tmp) / t.name))
+        for check, package, _version in style_checks(lay):
+            mod = "codespell_lib" if package == "codespell" else package
+            if importlib.util.find_spec(mod) is None:
+                continue
+            argv = [sys.executable, "-m", *STYLE_ARGS[check][1]]
+            for template, copy in copies:
+                found = _findings(argv, copy, tree)
+                if found:
+                    shown = template.relative_to(ROOT) if template.is_relative_to(ROOT) else template
+                    problems.append(f"style: {check}: {shown}: {len(found)} "
+                                    f"finding(s) (a PR test template): {found[0]}")
+    return problems
+
+
 def check_patches(lay: Layout, apply: bool = True, style: bool = True) -> list[str]:
     problems, names = lint_series(lay)
     problems += lint_metadata(lay, names)
@@ -256,4 +291,5 @@ def check_patches(lay: Layout, apply: bool = True, style: bool = True) -> list[s
                 problems += check_prefixes(lay, tree, names)
             if style and tree is not None:
                 problems += check_style(lay, tree, names)
+                problems += check_template_style(lay, tree)
     return problems

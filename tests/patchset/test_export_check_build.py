@@ -143,3 +143,26 @@ def test_style_hook_flags_badly_formatted_patch(root: Path) -> None:
     export_patches(lay)
     problems = check_patches(lay)
     assert any(x.startswith("style: black:") and MOD in x for x in problems)
+
+
+def test_style_flags_a_pr_test_template_as_it_goes_upstream(root: Path, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """check-patches holds each PR test template (harness/upstream/templates/) to the
+    base's style, without a baseline: it is a new file upstream. The
+    ``# upstream-path:`` line, which pr-export drops, is not what is checked."""
+    pytest.importorskip("black")
+    from harness.patchset import check
+
+    lay = layout(root)
+    apply_patches(lay)
+    export_patches(lay)
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    clean = "# upstream-path: test/registered/unit/test_x.py\nx = 1\n"
+    (templates / "clean.py").write_text(clean)
+    monkeypatch.setattr(check, "TEMPLATES", templates)
+    assert not [p for p in check_patches(lay) if "template" in p]
+    (templates / "ugly.py").write_text("x   =   1\n")
+    problems = [p for p in check_patches(lay) if "template" in p]
+    assert len(problems) == 1 and problems[0].startswith("style: black: ")
+    assert "ugly.py" in problems[0] and "clean.py" not in problems[0]

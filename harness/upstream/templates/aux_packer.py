@@ -9,6 +9,7 @@ concatenation at once (a transient ~2x spike of K * tokens * hidden).
 import unittest
 
 import torch
+
 from sglang.srt.layers.aux_hidden_states import AuxHiddenStatePacker
 from sglang.test.ci.ci_register import register_cpu_ci
 

@@ -16,6 +16,7 @@ import unittest
 from unittest import mock
 
 import torch
+
 from sglang.srt.layers import communicator
 from sglang.srt.layers.communicator import (
     CommunicateSimpleFn,

@@ -15,9 +15,10 @@ import unittest
 from unittest import mock
 
 import torch
+from torch import nn
+
 from sglang.srt.models import deepseek_v2
 from sglang.test.ci.ci_register import register_cpu_ci
-from torch import nn
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
@@ -32,7 +33,9 @@ class _Layer(nn.Module):
         super().__init__()
         self.layer_id = layer_id
 
-    def forward(self, positions, hidden_states, forward_batch, residual, *args, **kwargs):
+    def forward(
+        self, positions, hidden_states, forward_batch, residual, *args, **kwargs
+    ):
         captured = kwargs.get("captured_last_layer_outputs")
         if residual is None:
             residual = hidden_states
@@ -106,6 +109,7 @@ class TestDeepseekV2CaptureFinalLayer(unittest.TestCase):
         _, aux = _run(_model(num_layers, [1, num_layers]), embeds.clone())
         aux = _as_list(aux)
         self.assertEqual(len(aux), 2, "expected one capture per requested layer")
+
         # Reference: layer k outputs hidden_states + residual = embeds + sum(1..k+1);
         # capture index i is the output of layer i - 1.
         def output_of(k):
