@@ -124,7 +124,7 @@ def load(checkpoint: str, dtype: str = "float32"):
 
 def request_captures(model, eagle3: Any = None, dflash: Any = None,
                      final_layer_capture: Optional[str] = None,
-                     deepstack_capture: Optional[str] = None) -> None:
+                     deepstack_capture: Optional[str] = None, dspark: bool = False) -> None:
     """Ask ``model`` for captures through what the model runner calls at start-up.
 
     ``eagle3``: the EAGLE3 draft's ``eagle_aux_hidden_state_layer_ids`` (``"default"``
@@ -135,7 +135,9 @@ def request_captures(model, eagle3: Any = None, dflash: Any = None,
     them from the runner, which resolved the last two with ``resolve_final_layer_capture``
     / ``resolve_deepstack_capture``; 0.5.23's ``configure_aux_hidden_state_capture``
     takes them as arguments. A tree without a setting's patch has no resolver for it
-    (ImportError) and, on 0.5.23, refuses the argument.
+    (ImportError) and, on 0.5.23, refuses the argument. ``dspark``: ``dflash``'s ids
+    are a DSpark draft's (0.5.23's ``is_dspark``: the model's DSpark setter, where it
+    has one); the pin has no DSpark.
     """
     eagle_ids = None if eagle3 in (None, "default") else list(eagle3)
     state = dict(
@@ -163,6 +165,8 @@ def request_captures(model, eagle3: Any = None, dflash: Any = None,
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import get_global_server_args
 
+        if dspark:
+            raise ValueError("DSpark drafts are 0.5.23's: the pin has no is_dspark")
         ModelRunner.init_aux_hidden_state_capture(
             SimpleNamespace(model=model, server_args=get_global_server_args(),
                             model_config=SimpleNamespace(num_hidden_layers=_num_layers(model)),
@@ -176,7 +180,7 @@ def request_captures(model, eagle3: Any = None, dflash: Any = None,
         # What the model runner passes (SpecAuxHiddenStateConfig.target_num_layers),
         # where the tree has it (post-norm-ignored-warning).
         state["num_layers"] = _num_layers(model)
-    configure(model=model, is_dspark=False, **state)
+    configure(model=model, is_dspark=dspark, **state)
 
 
 def _num_layers(model) -> int:

@@ -67,3 +67,14 @@ def test_repeated_or_missing_layer_is_one_error(tiny_llama_lm, eagle3, dflash, m
     with pytest.raises(ValueError, match=match) as exc:
         _start_up(tiny_llama_lm, eagle3=eagle3, dflash=dflash)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.guards("capture-ids-checked")
+@pytest.mark.bases("0.5.23")
+def test_dspark_ids_kept_outside_layers_to_capture_are_checked(tiny_kimi_linear_lm):
+    """kimi_linear keeps a DSpark draft's ids in ``dspark_layers_to_capture`` (as kimi_k3
+    and deepseek_v4 do): a repeat there is the same one error."""
+    with pytest.raises(ValueError, match=r"capture layer\(s\) \[2\] twice "
+                                         r"\(dspark_layers_to_capture \[1, 2, 2\]\)") as exc:
+        request_captures(tiny_kimi_linear_lm, dflash=[1, 2, 2], dspark=True)
+    assert "\n" not in str(exc.value)

@@ -96,6 +96,26 @@ def test_no_warning_where_post_norm_applies(tiny_llama_lm, caplog, request_):
     assert _start_up(caplog, tiny_llama_lm, **request_) == []
 
 
+@pytest.mark.bases("0.5.23")
+@pytest.mark.parametrize("ids, why", [
+    pytest.param([0, 2], "the draft's layer ids [0, 2] do not include the target's last "
+                 "layer (7)", marks=GUARD),
+    # (No regression test: true without the warning too. It fails where the check
+    # looks for layers_to_capture alone: "KimiLinearModel keeps no layers_to_capture".)
+    pytest.param([1, NUM_LAYERS - 1], None),
+], ids=["dspark-without-last", "dspark-with-last"])
+def test_dspark_ids_kept_outside_layers_to_capture(tiny_kimi_linear_lm, caplog, ids, why):
+    """kimi_linear keeps a DSpark draft's ids in ``dspark_layers_to_capture`` (as kimi_k3
+    and deepseek_v4 do) and honours ``post_norm``: warned only where the ids lack the
+    last layer, never as a model whose captures are taken outside its code."""
+    warned = _start_up(caplog, tiny_kimi_linear_lm, dflash=ids, dspark=True)
+    assert tiny_kimi_linear_lm.model.dspark_layers_to_capture == ids
+    if why is None:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and why in warned[0], warned
+
+
 @GUARD
 @pytest.mark.parametrize("algorithm", [None, "NEXTN"])
 def test_server_arguments_warn_for_an_algorithm_without_aux_states(sglang_tp1, caplog, algorithm):

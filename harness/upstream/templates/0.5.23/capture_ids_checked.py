@@ -6,11 +6,14 @@ A forward captures each layer once and never reaches a layer past its last, so
 such ids gave the draft K-1 captures where it expects K ("captured K-1 of K"
 at the first forward). configure_aux_hidden_state_capture refuses a repeat
 once the setters have set the ids (the draft's, or a setter's EAGLE3 default
-[2, L // 2, L - 3], which repeats a layer below 7 layers), and the draft
-config's EAGLE3 ids are range-checked where they are read.
+[2, L // 2, L - 3], which repeats a layer below 7 layers), in
+layers_to_capture or in the dspark_layers_to_capture in which kimi_k3,
+kimi_linear and deepseek_v4 keep a DSpark draft's, and the draft config's
+EAGLE3 ids are range-checked where they are read.
 
-Runs on CPU without a GPU or a checkpoint: LlamaForCausalLM's real setters
-over a language model that only holds the ids.
+Runs on CPU without a GPU or a checkpoint: LlamaForCausalLM's and
+KimiLinearForCausalLM's real setters over a language model that only holds
+the ids.
 """
 
 import types
@@ -23,6 +26,7 @@ from sglang.srt.model_executor.model_runner_components import (
     attention_backend_setup,
     spec_aux_hidden_state,
 )
+from sglang.srt.models.kimi_linear import KimiLinearForCausalLM
 from sglang.srt.models.llama import LlamaForCausalLM
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -33,22 +37,31 @@ NUM_LAYERS = 4
 
 
 class _LanguageModel(nn.Module):
-    def __init__(self):
+    def __init__(self, attr):
         super().__init__()
-        self.layers_to_capture = []
+        setattr(self, attr, [] if attr == "layers_to_capture" else None)
 
 
-def _llama():
-    lm = LlamaForCausalLM.__new__(LlamaForCausalLM)
+def _causal_lm(cls, attr):
+    lm = cls.__new__(cls)
     nn.Module.__init__(lm)
-    lm.model = _LanguageModel()
+    lm.model = _LanguageModel(attr)
     lm.config = types.SimpleNamespace(hidden_size=8, num_hidden_layers=NUM_LAYERS)
     lm.pp_group = types.SimpleNamespace(is_last_rank=True)
     lm.capture_aux_hidden_states = False
     return lm
 
 
-def _configure(model, eagle3=None, dflash=None):
+def _llama():
+    return _causal_lm(LlamaForCausalLM, "layers_to_capture")
+
+
+def _kimi_linear():
+    # DSpark only: its model keeps the ids in dspark_layers_to_capture.
+    return _causal_lm(KimiLinearForCausalLM, "dspark_layers_to_capture")
+
+
+def _configure(model, eagle3=None, dflash=None, dspark=False):
     with mock.patch.object(
         attention_backend_setup,
         "get_exec",
@@ -62,7 +75,7 @@ def _configure(model, eagle3=None, dflash=None):
             eagle_aux_hidden_state_layer_ids=None if eagle3 == "default" else eagle3,
             dflash_use_aux_hidden_state=dflash is not None,
             dflash_target_layer_ids=dflash,
-            is_dspark=False,
+            is_dspark=dspark,
         )
 
 
@@ -88,6 +101,12 @@ class TestAuxCaptureLayerIds(CustomTestCase):
                 with self.assertRaisesRegex(ValueError, repeated) as ctx:
                     _configure(_llama(), eagle3=eagle3, dflash=dflash)
                 self.assertNotIn("\n", str(ctx.exception))
+
+    def test_a_repeated_dspark_layer_is_one_error(self):
+        with self.assertRaisesRegex(
+            ValueError, r"\[2\] twice \(dspark_layers_to_capture \[1, 2, 2\]\)"
+        ):
+            _configure(_kimi_linear(), dflash=[1, 2, 2], dspark=True)
 
     def test_draft_ids_past_the_last_layer_are_refused(self):
         model_config = types.SimpleNamespace(
