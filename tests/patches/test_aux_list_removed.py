@@ -7,7 +7,9 @@ a list instead of concatenating it (which would hold the captures twice). Checke
 against the pristine 0.5.23 logits processor, loaded from the release's verified wheel
 under a module name of its own: its real forward on a list of K captures hands the
 draft what the patched one hands it for the same captures packed, in every pruning
-path, with perturbed, distinct captures and the whole tensors compared.
+path, with perturbed, distinct captures and the whole tensors compared; and the EAGLE3
+drafts' real forwards, which the release's hand on as a list of one, against the
+release's own (both drafts, before and after their final norm).
 """
 
 from __future__ import annotations
@@ -125,3 +127,79 @@ def _config():
     from transformers import PretrainedConfig
 
     return PretrainedConfig(vocab_size=V, hidden_size=H)
+
+
+# The EAGLE3 drafts, whose one capture (the draft's hidden state for its next step) the
+# release handed its logits processor as a list of one: (file, model class, the
+# attribute holding its decoder layers).
+DRAFTS = {
+    "llama_eagle3": ("srt/models/llama_eagle3.py", "LlamaModel", "layers"),
+    "kimi_k25_eagle3": ("srt/models/kimi_k25_eagle3.py", "Eagle3MLAModel", "midlayer"),
+}
+
+
+class _DraftLayer(torch.nn.Module):
+    """A draft decoder layer stand-in: (stream, residual) out of (embeds, stream)."""
+
+    def forward(self, positions, embeds, hidden_states, forward_batch, *rest):
+        return hidden_states * 1.5 + embeds, hidden_states.clone()
+
+
+def _draft(module, name, norm_output):
+    """``module``'s real draft model of ``DRAFTS[name]``: its forward, one stand-in
+    layer, the scaffold's fused add + norm (in place, as the GPU kernel)."""
+    from torch import nn
+
+    from sglang.test.aux_capture_test_utils import InPlaceNorm
+
+    _, cls_name, stack = DRAFTS[name]
+    cls = getattr(module, cls_name)
+    model = cls.__new__(cls)
+    nn.Module.__init__(model)
+    model.is_mrope_enabled = False
+    model.input_norm = model.fc_norm = None
+    setattr(model, stack, nn.ModuleList([_DraftLayer()]) if stack == "layers" else _DraftLayer())
+    model.norm = InPlaceNorm()
+    model.norm_output = norm_output
+    return model
+
+
+@GUARD
+@pytest.mark.parametrize("norm_output", [False, True], ids=["pre-norm", "norm-output"])
+@pytest.mark.parametrize("name", sorted(DRAFTS))
+def test_eagle3_drafts_pack_what_the_release_concatenated(processors, name, norm_output):
+    """The draft's real forward, then the real logits processor, pristine 0.5.23's
+    (a list of one) and the series' (one packed tensor), on the same inputs: the same
+    capture in storage of its own (the release's ``torch.cat`` copied it), and the same
+    hidden state and logits for the draft's next step."""
+    import importlib
+    import types
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from harness.memory.models import pristine_module
+
+    pristine_lp, patched_lp, head = processors
+    rel = DRAFTS[name][0]
+    trees = [(pristine_module(rel), pristine_lp),
+             (importlib.import_module("sglang." + rel.removesuffix(".py").replace("/", ".")),
+              patched_lp)]
+    g = torch.Generator().manual_seed(5)
+    stream, embeds = torch.randn(4, H, generator=g), torch.randn(4, H, generator=g)
+    runs = []
+    for module, lp in trees:
+        batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE,
+                                      spec_info=types.SimpleNamespace(hidden_states=stream.clone()))
+        with torch.no_grad():
+            hidden, aux = _draft(module, name, norm_output)(None, None, batch,
+                                                            input_embeds=embeds.clone())
+            out = lp.LogitsProcessor(_config())(torch.arange(4), hidden, head,
+                                                _metadata(lp, "decode", "last")[0], aux)
+        runs.append((hidden, aux, out))
+    (_, want_aux, want), (hidden, aux, got) = runs
+    assert isinstance(want_aux, list) and len(want_aux) == 1
+    assert isinstance(aux, torch.Tensor), type(aux)
+    torch.testing.assert_close(aux, torch.cat(want_aux, dim=-1), rtol=0, atol=0)
+    assert aux.data_ptr() != hidden.data_ptr()
+    torch.testing.assert_close(got.hidden_states, want.hidden_states, rtol=0, atol=0)
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, rtol=0, atol=0)

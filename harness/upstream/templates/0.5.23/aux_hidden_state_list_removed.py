@@ -18,8 +18,9 @@ attention-residual bank path the mixture after layer i is captured, the
 previous stage's last one at the stage's start. A DFlash-family decode CUDA
 graph passes a slice of one shared buffer on the batch
 (aux_hidden_states_buffer), sized by get_aux_hidden_states_width, on every
-stage. With no list left, AuxHiddenStateList is removed and
-pack_aux_hidden_states refuses a list instead of concatenating it.
+stage. The EAGLE3 drafts pack their one capture too (K = 1). With no list
+left, AuxHiddenStateList is removed and pack_aux_hidden_states refuses a list
+instead of concatenating it.
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers, the final read
 and the bank are small stand-ins on the real residual stream
@@ -40,6 +41,7 @@ from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 from sglang.srt.models.kimi_k3 import KimiK3LinearForCausalLM, KimiK3LinearModel
 from sglang.srt.models.kimi_linear import KimiLinearForCausalLM, KimiLinearModel
+from sglang.srt.models.llama_eagle3 import LlamaModel as Eagle3LlamaModel
 from sglang.srt.runtime_context import get_parallel
 from sglang.test.aux_capture_test_utils import (
     InPlaceNorm,
@@ -325,6 +327,57 @@ class TestKimiLinearPipelineStagesPack(CustomTestCase):
             lm.config = types.SimpleNamespace(hidden_size=HIDDEN)
             lm.capture_aux_hidden_states = True
             self.assertEqual(lm.get_aux_hidden_states_width(), width, stage)
+
+
+class _DraftLayer(nn.Module):
+    """An EAGLE3 draft decoder layer: adds the embeddings to the stream and hands
+    the stream it took as the residual."""
+
+    def forward(self, positions, embeds, hidden_states, forward_batch, residual):
+        return hidden_states + embeds, hidden_states.clone()
+
+
+def _eagle3_draft(norm_output):
+    model = Eagle3LlamaModel.__new__(Eagle3LlamaModel)
+    nn.Module.__init__(model)
+    model.is_mrope_enabled = False
+    model.input_norm = model.fc_norm = None
+    model.layers = nn.ModuleList([_DraftLayer()])
+    model.norm = InPlaceNorm()
+    model.norm_output = norm_output
+    return model
+
+
+class TestEagle3DraftPacks(CustomTestCase):
+    def test_the_draft_hands_on_its_capture_packed(self):
+        for norm_output in (False, True):
+            with self.subTest(norm_output=norm_output):
+                stream = torch.randn(TOKENS, HIDDEN)
+                embeds = torch.randn(TOKENS, HIDDEN)
+                batch = forward_batch(
+                    spec_info=types.SimpleNamespace(hidden_states=stream.clone())
+                )
+                hidden, aux = _eagle3_draft(norm_output)(
+                    None, None, batch, input_embeds=embeds
+                )
+                # The fused add + norm: residual stream + layer output, then halved.
+                pre_norm = 2 * stream + embeds
+                want = pre_norm * 0.5 if norm_output else pre_norm
+                self.assertIsInstance(aux, torch.Tensor)
+                self.assertIs(pack_aux_hidden_states(aux), aux)
+                torch.testing.assert_close(aux, want)
+                torch.testing.assert_close(hidden, pre_norm * 0.5)
+                # Its own buffer, as the concatenation of a list of one was.
+                self.assertNotEqual(aux.data_ptr(), hidden.data_ptr())
+
+    def test_an_idle_draft_batch_hands_on_no_tokens(self):
+        batch = forward_batch(
+            spec_info=types.SimpleNamespace(hidden_states=torch.empty(0, HIDDEN))
+        )
+        hidden, aux = _eagle3_draft(False)(
+            None, None, batch, input_embeds=torch.empty(0, HIDDEN)
+        )
+        self.assertEqual(tuple(pack_aux_hidden_states(aux).shape), (0, HIDDEN))
 
 
 class TestListPathRemoved(CustomTestCase):
