@@ -109,17 +109,33 @@ def _params():
 _RESULTS: dict = {}
 
 
+def _selected(session) -> dict[int, list[int]]:
+    """{tp: the indices in CASES of this session's tests of the matrix} (after ``-k`` and
+    ``--guards``). Only those cases run, at each TP and in the TP = 1 reference: an
+    ablation run that guards one model does not pay for the whole matrix. Under xdist
+    every worker collects every test, so this is the session's selection, not the
+    worker's share."""
+    out: dict[int, set[int]] = {}
+    for item in session.items:
+        spec = getattr(item, "callspec", None)
+        if spec is not None and item.nodeid.split("::", 1)[0].endswith("test_model_matrix.py"):
+            out.setdefault(spec.params["tp"], set()).add(spec.params["idx"])
+    return {tp: sorted(idx) for tp, idx in out.items()}
+
+
 @pytest.fixture(scope="module")
-def tp1_reference(sglang_tp1):
+def tp1_reference(sglang_tp1, request):
+    """{index in CASES: the TP = 1 result}, for every case selected at any TP."""
     from harness.suites.models import model_matrix
 
-    return model_matrix(0, 1, [c for _, c, _ in CASES])
+    wanted = sorted(set().union(*_selected(request.session).values()))
+    return dict(zip(wanted, model_matrix(0, 1, [CASES[i][1] for i in wanted])))
 
 
-def _results(rank_pool, tp):
-    """Per rank: {index in CASES: result} for the cases of this TP."""
+def _results(rank_pool, session, tp):
+    """Per rank: {index in CASES: result} for the selected cases of this TP."""
     if tp not in _RESULTS:
-        at = _at(tp)
+        at = _selected(session)[tp]
         per_rank = rank_pool(tp, timeout=900).run(
             "harness.suites.models:model_matrix", [CASES[i][1] for i in at]
         )
@@ -128,10 +144,10 @@ def _results(rank_pool, tp):
 
 
 @pytest.mark.parametrize("tp, idx", list(_params()))
-def test_model_captures_match_tp1_reference(rank_pool, tp1_reference, tp, idx):
+def test_model_captures_match_tp1_reference(request, rank_pool, tp1_reference, tp, idx):
     ref = tp1_reference[idx]
     assert "error" not in ref, ref.get("error")
-    per_rank = [r[idx] for r in _results(rank_pool, tp)] if tp > 1 else [ref]
+    per_rank = [r[idx] for r in _results(rank_pool, request.session, tp)] if tp > 1 else [ref]
     for res in per_rank:
         assert "error" not in res, f"rank {res['rank']} raised:\n{res.get('error')}"
     for res in per_rank:

@@ -245,13 +245,34 @@ def _pool(rank_pool, tp: int, wait: bool = True):
                      start_timeout=900, wait=wait, preload=PRELOAD)
 
 
+def _wanted_runs(session) -> dict:
+    """{(family, tp): {capture set: {fusion: the later forwards (MODES) read}}}: what this
+    session's selected tests read (after ``-k`` and ``--guards``). An in-loop test also
+    reads the uncaptured run of its fusion. Only those sets, variants and forwards run:
+    an ablation run that guards the last layer's capture does not pay for DFlash's."""
+    out: dict = {}
+    for item in session.items:
+        spec = getattr(item, "callspec", None)
+        if spec is None or not item.nodeid.split("::", 1)[0].endswith("test_hf_parity.py"):
+            continue
+        p = spec.params
+        runs = out.setdefault((p["name"], p["tp"]), {})
+        runs.setdefault(p["set_name"], {}).setdefault(p["fusion"], set())
+        if "mode" in p:
+            runs[p["set_name"]][p["fusion"]].add(p["mode"])
+        if item.originalname == "test_in_loop_captures":
+            runs.setdefault("none", {}).setdefault(p["fusion"], set())
+    return out
+
+
 @pytest.fixture(scope="module")
-def references(selected_cases, rank_pool, tmp_path_factory):
-    """Per selected active family: its checkpoint directory, prompts and transformers'
-    outputs.
+def references(selected_cases, rank_pool, tmp_path_factory, request):
+    """Per selected active family: its checkpoint directory, prompts, transformers'
+    outputs, and per TP the runs its selected tests read (:func:`_wanted_runs`).
 
     The rank pools of the selected TPs start first (each rank imports SGLang meanwhile)."""
     wanted = selected_cases("test_hf_parity.py")
+    runs = _wanted_runs(request.session)
     for tp in sorted(set().union(*wanted.values())):
         _pool(rank_pool, tp, wait=False)
     root = tmp_path_factory.mktemp("parity")
@@ -264,7 +285,8 @@ def references(selected_cases, rank_pool, tmp_path_factory):
         prompts = reference.prompts(vocab_size)
         appended = reference.appended_tokens(vocab_size)
         out[name] = dict(checkpoint=str(root / name), prompts=prompts, appended=appended,
-                         tps=wanted[name], ref=reference.reference(fam, model, prompts, appended))
+                         tps=wanted[name], ref=reference.reference(fam, model, prompts, appended),
+                         runs={tp: runs.get((name, tp), {}) for tp in wanted[name]})
         del model
     return out
 
@@ -285,18 +307,26 @@ def _run(rank_pool, references, tp: int) -> dict:
             # transformers' own count of decoder layers (its hidden_states), which the
             # tests use too: LongCat's config counts two attentions per layer.
             L = references[name]["ref"]["num_layers"]
+            selected = references[name]["runs"][tp]
             for set_name in sets(fam):
                 if set_name in FOLLOWS:
                     continue
                 then = [s for s, first in FOLLOWS.items() if first == set_name]
+                group = [selected.get(s, {}) for s in (set_name, *then)]
+                fusions = [f for f in fam.variants(tp) if any(f in g for g in group)]
+                if not fusions:
+                    continue
+                modes = {m for g in group for f in g.values() for m in f}
+                if "verify" in modes:  # its prefix holds the decode's token
+                    modes.add("decode")
                 keys.append([(name, s) for s in (set_name, *then)])
                 cases.append(dict(checkpoint=references[name]["checkpoint"],
                                   prompts=references[name]["prompts"],
                                   appended=references[name]["appended"],
-                                  modes=[] if set_name == "none" else list(MODES),
+                                  modes=[m for m in MODES if m in modes],
                                   capture=capture_request(set_name, L),
                                   then=[capture_request(s, L) for s in then],
-                                  fusions=list(fam.variants(tp)), attention=fam.attention,
+                                  fusions=fusions, attention=fam.attention,
                                   setup=fam.setup))
         per_rank = _pool(rank_pool, tp).run("harness.parity.runner:run_family", cases)
         _RUNS[tp] = {}
