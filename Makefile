@@ -9,6 +9,10 @@ SGLANG_SOURCE ?= wheel
 ARGS ?=
 SGLANG_VERSION ?=
 PROMOTE ?=
+# doctor: the target and draft checkpoint directories, and the draft's training features.
+TARGET ?=
+DRAFT ?=
+FEATURES ?=
 # BASE: which base the patch tooling and suites work on (default: the pin, patches/).
 # BASE=0.5.23 is patches/0.5.23/, build/sglang-0.5.23, .tox/test-0.5.23.
 BASE ?=
@@ -29,7 +33,8 @@ APPLY := $(TOX) -q -e apply -- $(APPLY_FLAGS)
 
 .DEFAULT_GOAL := help
 .PHONY: help apply-patches export-patches check-patches wheel venv test lock clean \
-	e2e ablation bench bench-suite test-gpu docker-base docker-test upstream-status rebase pr-export
+	e2e ablation bench bench-suite test-gpu docker-base docker-test upstream-status rebase pr-export \
+	doctor doctor-demo
 
 $(TOOLS)/.stamp: requirements/tools.txt
 	$(PYTHON) -m venv $(TOOLS)
@@ -98,3 +103,10 @@ rebase: $(TOOLS)/.stamp ## port the series to SGLANG_VERSION=X as base X (drop l
 pr-export: $(TOOLS)/.stamp ## verified upstream PR bundles from the newest base (BASE=... for another) in build/pr/
 	$(APPLY)
 	$(TOX) -q -e pr-export -- $(ARGS)
+doctor: $(TOOLS)/.stamp ## which features a draft was trained on, and whether this server feeds them (TARGET= DRAFT= [FEATURES=])
+	@test -n "$(TARGET)" -a -n "$(DRAFT)" || { echo "error: make doctor needs TARGET=<dir> DRAFT=<dir> [FEATURES=<file or dir>]" >&2; exit 2; }
+	$(APPLY)
+	$(TOX) -q -e doctor -- --target $(abspath $(TARGET)) --draft $(abspath $(DRAFT)) $(if $(FEATURES),--features $(abspath $(FEATURES)),) $(ARGS)
+doctor-demo: $(TOOLS)/.stamp ## the doctor on tiny checkpoints with planted conventions (build/doctor/demo.json)
+	$(APPLY)
+	$(TOX) -q -e doctor-demo -- $(ARGS)

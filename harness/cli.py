@@ -31,6 +31,8 @@ COMMANDS = {
     "upstream-status": ("harness.upstream.status", "which patches later SGLang releases already carry"),
     "rebase": ("harness.upstream.rebase", "move the pin to another release and re-apply the series"),
     "pr-export": ("harness.upstream.prexport", "write an upstream PR bundle per upstream-bound patch"),
+    "doctor": ("harness.doctor.run", "which features a draft was trained on, and whether this server feeds them"),
+    "doctor-demo": ("harness.doctor.demo", "the doctor on tiny checkpoints with planted conventions"),
 }
 
 

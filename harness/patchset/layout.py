@@ -60,6 +60,11 @@ class Layout:
         return self.build / self._suffixed("results")
 
     @property
+    def doctor(self) -> Path:
+        """Where ``doctor`` writes its report and ``doctor-demo`` its checkpoints."""
+        return self.build / self._suffixed("doctor")
+
+    @property
     def ablation(self) -> Path:
         """Where the ablation lays out its trees (one per patch left out)."""
         return self.build / self._suffixed("ablation")
