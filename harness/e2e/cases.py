@@ -30,6 +30,9 @@ PROMPTS = (ANCHOR, PARTIAL)
 MAX_NEW_TOKENS = {ANCHOR: 9, PARTIAL: 10}
 # The exact EAGLE3 draft's accept length per prompt (1 + accepted drafts per round).
 EXACT_ACCEPT = {ANCHOR: 4.0, PARTIAL: 1.0 + (0 + 3 + 3) / 3}
+# The partial EAGLE3 draft's (checkpoints: right at a round's first step only): ANCHOR,
+# four rounds of 1 accepted + the bonus; PARTIAL, the rejected round, then four of 1.
+PARTIAL_ACCEPT = {ANCHOR: 1.0 + 4 / 4, PARTIAL: 1.0 + (0 + 1 + 1 + 1 + 1) / 5}
 
 
 def sampling(prompt: tuple[int, ...]) -> dict[str, Any]:
@@ -63,7 +66,7 @@ class Case:
     key: str
     model: str                    # target family
     algorithm: str | None = None  # None: plain; "EAGLE3"; "DFLASH"
-    draft: str | None = None      # "exact" | "random"
+    draft: str | None = None      # "exact" | "random" | "partial" (exact at a round's first step only)
     dtype: str = "float32"
     topk: int = 1
     steps: int = 3
@@ -91,6 +94,9 @@ CASES = {c.key: c for c in (
     Case("llama-plain", "llama"),
     Case("llama-eagle3-exact", "llama", "EAGLE3", "exact", topk=1),
     Case("llama-eagle3-random", "llama", "EAGLE3", "random", topk=2),
+    # Every round accepts 1 of its 3 draft tokens: verify forwards with rejected tokens
+    # after accepted ones, each capture checked against transformers.
+    Case("llama-eagle3-partial", "llama", "EAGLE3", "partial", topk=1),
     # The draft asks for the final norm's output in its last slot. The anchored target's
     # final norm has unit weights, so the exact draft is exact on either side of it.
     Case("llama-eagle3-postnorm", "llama", "EAGLE3", "exact", topk=1,
@@ -103,7 +109,7 @@ CASES = {c.key: c for c in (
     Case("deepseek_v3-eagle3-exact", "deepseek_v3", "EAGLE3", "exact", topk=1),
 )}
 SPEC_CASES = [c for c in CASES.values() if c.algorithm]
-EXACT_CASES = [c for c in SPEC_CASES if c.draft == "exact"]
+EXACT_CASES = [c for c in SPEC_CASES if c.draft in ("exact", "partial")]
 PLAIN_CASES = [c for c in CASES.values() if not c.algorithm]
 
 
@@ -135,7 +141,8 @@ class Checkpoints:
             name += f"-{case.final_layer_capture}"
         if case.algorithm == "EAGLE3":
             return self._once(name, lambda p: checkpoints.make_eagle3(
-                p, ids, exact=case.draft == "exact", final_layer_capture=case.final_layer_capture))
+                p, ids, exact=case.draft in ("exact", "partial"), final_layer_capture=case.final_layer_capture,
+                partial=case.draft == "partial"))
         layers = self.target(case.model).layers
         return self._once(name, lambda p: checkpoints.make_dflash(p, ids, layers, exact=case.draft == "exact",
                                                                   block_size=case.draft_tokens))

@@ -42,6 +42,17 @@ forward (at ``A_W`` and after), accepts everything.
 layer's slot, the context values read ``D1`` and ``o_proj`` writes it into ``C0`` of
 the block's hidden states, which the target's ``lm_head`` turns into ``Z``.
 
+**The partial EAGLE3 draft** is the exact one with two units in its MLP and a scratch
+dimension ``M`` of its own (``fc`` leaves ``M`` out of the capture, so the first step of a
+round sees ``M = 0``): unit A writes ``M > 0`` wherever ``C0`` is set (every draft step
+at an anchor), unit B reads ``M`` and writes ``-KNOCK`` into ``D1``. The first step of a
+round, drafted from the target's captures, has ``M = 0`` on its input: unit B is silent
+and the draft predicts ``Z`` as the exact draft does. Every later step is drafted from
+the draft's own hidden state, which holds unit A's ``M`` from the step before: ``D1``
+turns negative and it predicts ``Z_DECOY``. In the ``Z`` regime every round accepts 1 of
+its 3 draft tokens (accept length 2), so the target's verify forwards hold rejected
+tokens after accepted ones.
+
 The *random* drafts are plain random weights: acceptance is low, the outputs must still
 equal the target's.
 
@@ -66,6 +77,8 @@ Z_DECOY = 9      # what the exact draft predicts when the capture is wrong
 W = 13           # the lead token: the target says A_W after it
 A_W = 24         # an anchor
 C0, D1, E2 = 0, 1, 2  # reserved residual dimensions
+M_DIM = 3            # the partial draft's own scratch dimension (its fc drops the capture's)
+KNOCK = 10.0         # the partial draft's unit B: D1 -= KNOCK * silu(G nM) U nM
 MARK_UNIT = 0    # the last layer's MLP unit that writes D1
 C = 1.0
 BIG = 60.0       # target lm_head[Z, C0]
@@ -245,7 +258,7 @@ def _llama_draft_config(architecture: str, **extra) -> dict:
 
 
 def make_eagle3(path: Path, aux_layer_ids: list[int], *, exact: bool, exact_slot: int = -1,
-                seed: int = 1, final_layer_capture: str | None = None) -> Path:
+                seed: int = 1, final_layer_capture: str | None = None, partial: bool = False) -> Path:
     """An EAGLE3 draft (``LlamaForCausalLMEagle3``, one layer) reading the target layers
     ``aux_layer_ids`` (``eagle_config.eagle_aux_hidden_state_layer_ids``). ``exact``: the
     constructed draft, its ``fc`` passing slot ``exact_slot`` (the one naming the target's
@@ -294,10 +307,17 @@ def make_eagle3(path: Path, aux_layer_ids: list[int], *, exact: bool, exact_slot
         head = torch.zeros(VOCAB, H)
         head[Z, D1] = A
         head[Z_DECOY, C0] = B
+        down = torch.zeros(H, FFN)
+        if partial:
+            fc[M_DIM, slot * H + M_DIM] = 0.0   # the first step's M is the draft's own: 0
+            gate, up = torch.zeros(FFN, H), torch.zeros(FFN, H)
+            gate[0, C0], up[0, C0], down[M_DIM, 0] = G, U, 1.0       # unit A: M += ... at anchors
+            gate[1, M_DIM], up[1, M_DIM], down[D1, 1] = G, U, -KNOCK  # unit B: D1 -= ... once M > 0
+            w.update({"midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up})
         w.update({
             "fc.weight": fc,
             "midlayer.self_attn.o_proj.weight": torch.zeros(H, q),
-            "midlayer.mlp.down_proj.weight": torch.zeros(H, FFN),
+            "midlayer.mlp.down_proj.weight": down,
             "lm_head.weight": head,
         })
     save_file({n: t.contiguous() for n, t in w.items()}, str(path / "model.safetensors"))

@@ -109,6 +109,8 @@ def test_accept_length(e2e_runs, case):
     expected = {cases.ANCHOR: case.accept_length}
     if case.algorithm == "EAGLE3":
         expected[cases.PARTIAL] = cases.EXACT_ACCEPT[cases.PARTIAL]
+    if case.draft == "partial":  # right at each round's first step only: 1 of 3 accepted
+        expected = dict(cases.PARTIAL_ACCEPT)
     for prompt, want in expected.items():
         i = cases.PROMPTS.index(prompt)
         for how, out in (("single", run.singles[i]), ("batched", run.batch[i])):
