@@ -1,31 +1,39 @@
-"""``bench --engine``: what returning aux hidden states costs in SGLang's real Engine.
+"""``bench --engine``: what returning aux hidden states costs, in SGLang's real Engine
+and on the return path alone.
 
-Three Engines of the same tiny llama checkpoint (``harness.parity`` family, wider and
-deeper than the parity tier's), SGLang's Engine on the CPU (``harness.e2e.engine``), one
-driver process each, all running at once:
+**In the Engine**, per width ``K * H`` (``--widths``; default 768, 4,096 and 12,288: K = 3
+x H = 256, K = 4 x H = 1,024, K = 3 x H = 4,096), four Engines of the same llama
+checkpoint (``harness.parity`` family, H wide, ``--engine-layers`` deep), SGLang's
+Engine on the CPU (``harness.e2e.engine``), one driver process each, all up at once:
 
-- ``pristine``: the base's pristine release (``git archive base/v<version> python/sglang``
-  first on the driver's ``PYTHONPATH``): ``LlamaModel`` collects its captures in
-  ``AuxHiddenStateList`` and the logits processor ``torch.cat``\\ s them;
-- ``series``: the installed patched wheel: ``AuxHiddenStatePacker`` writes each capture
-  into one preallocated ``[T, K * H]`` buffer;
-- ``no-capture``: the patched wheel without ``--enable-return-aux-hidden-states`` and
+- ``pristine-lists``: the base's pristine release (``git archive base/v<version>
+  python/sglang`` first on the driver's ``PYTHONPATH``): its list + ``torch.cat`` capture
+  and its return path (``.cpu().tolist()`` per request, floats across the pipes);
+- ``series-lists``: the installed patched wheel, the lists of before
+  (``return_hidden_states``);
+- ``series-arrays``: the same Engine arguments, each request asking for one tensor
+  (``return_raw_hidden_states``, patch ``return-hidden-states-arrays``);
+- ``plain``: the patched wheel without ``--enable-return-aux-hidden-states`` and
   without ``return_hidden_states``: the same generation, no features.
 
-The first two run with ``--enable-return-aux-hidden-states`` (K = 3 ids, none the last
-layer's, which pristine 0.5.23 cannot capture) and every request asks
-``return_hidden_states``. Every round sends the same batch (radix cache off: every round
-prefills again) to each Engine, one after another, the order rotated each round (ABC,
-BCA, CAB, ...), the two Engines not measured stopped (SIGSTOP: an idle SGLang scheduler
-spins in its event loop); one warm-up round is dropped; the median per variant is reported.
+The capturing three run with ``--enable-return-aux-hidden-states`` (K ids, none the
+last layer's, which pristine 0.5.23 cannot capture). Every round sends the same batch
+(radix cache off: every round prefills again) to each Engine, one after another, the
+order rotated each round, the Engines not measured stopped (SIGSTOP: an idle SGLang
+scheduler spins in its event loop); one warm-up round is dropped. Per variant and width:
+the ratio of its rows/s to plain's in the same round (the same seconds of machine load),
+median, min and max over rounds: ``ratio_to_plain``. A row is one token's K captures:
+one per prompt token and per generated token but the last; plain's rows/s counts the
+same token positions, so each ratio is a ratio of wall times of ``Engine.generate``
+(measured in the driver). The three capturing variants' rows must have the same digest.
 
-Throughput: ``rows/s`` = feature rows / wall time of ``Engine.generate`` (measured in the
-driver, so the harness's pipe is not in it). A row is one token's K captures, ``K * H``
-float32 values: one per prompt token and per generated token but the last. ``no-capture``
-returns none; its rows/s counts the same token positions, so every ratio of rows/s is a
-ratio of wall times. Each Engine process checks which SGLang it imported (a setup hook:
-where ``aux_hidden_states`` comes from, whether ``LlamaModel.forward`` uses the packer),
-and the pristine and series rows must have the same digest (the same features).
+**The return path alone** (:mod:`harness.e2e.return_path`): the result processor, the
+scheduler -> detokenizer -> tokenizer-manager pipes and what the caller gets, without a
+forward, at the same widths and batch sizes 1, 16 and 64 (``--return-batches``): rows/s
+per variant, and the share of a token's time it takes, against plain generation's
+rows/s measured above; then what that share means on a GPU (``projection``: each
+assumption stated) and the physical floor of moving K * H bfloat16 values a token.
+
 Writes ``<results>/bench/engine.{json,md}``. A benchmark, not a test: no thresholds.
 """
 
@@ -45,38 +53,74 @@ from typing import Any, Sequence
 from harness import HarnessError
 from harness.patchset.git import export_commit
 
-VARIANTS = ("pristine", "series", "no-capture")
+VARIANTS = ("pristine-lists", "series-lists", "series-arrays", "plain")
+CAPTURING = VARIANTS[:3]
 LABELS = {
-    "pristine": "(a) pristine: list + torch.cat",
-    "series": "(b) series: AuxHiddenStatePacker",
-    "no-capture": "(c) no capture",
+    "pristine-lists": "pristine: list + torch.cat, lists of floats",
+    "series-lists": "series: packer, the lists of before",
+    "series-arrays": "series: packer, one tensor a request",
+    "plain": "plain: no capture",
 }
-RATIOS = (("series", "pristine"), ("pristine", "no-capture"), ("series", "no-capture"))
 PROVENANCE_ENV = "HARNESS_BENCH_PROVENANCE"
 PROMPT_TOKENS = (3, 140)  # the parity vocabulary's ordinary ids
+# K * H -> (K, H): the widths of the issue, each K at most 4 so the ids fit 6 layers.
+SHAPES = {768: (3, 256), 4096: (4, 1024), 12288: (3, 4096)}
+
+# What the GPU projection assumes (each stated in the report): an EAGLE3 draft's
+# features of Llama-3.1-8B (K = 3 x H = 4,096), bfloat16, on one H100 SXM in SGLang.
+GPU_ASSUMPTIONS = {
+    "model": "Llama-3.1-8B target of an EAGLE3 draft: K = 3, H = 4,096, K * H = 12,288 values a token",
+    "dtype_bytes": 2,
+    "card": "one H100 SXM",
+    "prefill_tokens_per_s": 40000.0,
+    "prefill_source": "assumed: prefill of an 8B bf16 model at about 40k tokens/s on one H100 "
+                      "(compute-bound, ~16 GFLOP a token at ~650 TFLOP/s dense bf16, half efficiency); "
+                      "a trainer's features are mostly prompt rows",
+    "decode_tokens_per_s": 8000.0,
+    "decode_source": "assumed: decode at batch 64, about 8k tokens/s (memory-bound: 16 GB of weights "
+                     "read per step at ~3.3 TB/s, about 8 ms a step, 64 tokens a step)",
+    "pcie_bytes_per_s": 50e9,
+    "pcie_source": "assumed: device-to-host over PCIe 5.0 x16, about 50 GB/s in practice",
+    "host_copy_bytes_per_s": 10e9,
+    "host_copy_source": "assumed: one host memcpy stream, about 10 GB/s",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine benchmark (--engine)")
     g.add_argument("--engine", action="store_true",
-                   help="instead of the memory benchmark: features/s returned by the real Engine, "
-                        "pristine base vs series vs no capture (BASE=0.5.23)")
-    g.add_argument("--rounds", type=int, default=15, help="measured rounds, after one warm-up (default 15)")
+                   help="instead of the memory benchmark: what returning features costs, in the real Engine "
+                        "and on the return path alone (BASE=0.5.23)")
+    g.add_argument("--rounds", type=int, default=7, help="measured rounds per width, after one warm-up (default 7)")
     g.add_argument("--prompts", type=int, default=16, help="requests per batch (default 16)")
-    g.add_argument("--prompt-len", type=int, default=128, help="prompt tokens each (default 128)")
+    g.add_argument("--prompt-len", type=int, default=64, help="prompt tokens each (default 64)")
     g.add_argument("--new-tokens", type=int, default=8, help="generated tokens each (default 8)")
-    g.add_argument("--engine-hidden", type=int, default=256, help="hidden size of the llama (default 256)")
-    g.add_argument("--engine-layers", type=int, default=8, help="its layers (default 8)")
+    g.add_argument("--widths", default="768,4096,12288",
+                   help=f"K * H of the Engines, comma-separated, each of {sorted(SHAPES)} (default all)")
+    g.add_argument("--engine-layers", type=int, default=6, help="the llama's layers (default 6)")
+    g.add_argument("--return-batches", default="1,16,64",
+                   help="batch sizes of the return-path measurement (default 1,16,64)")
+    g.add_argument("--return-repeats", type=int, default=3, help="its repeats, after a warm-up (default 3)")
+    g.add_argument("--no-engine-runs", action="store_true", help="only the return path (no Engines)")
 
 
 # ------------------------------------------------------------------------ pure logic
 
-def layer_ids(layers: int) -> tuple[int, ...]:
-    """Three EAGLE3 ids, none the last layer's (pristine 0.5.23 has no final-layer
-    capture: it would return K - 1 slots)."""
-    if layers < 4:
-        raise ValueError("the engine benchmark needs at least 4 layers")
-    return (1, layers // 2, layers - 2)
+def layer_ids(layers: int, k: int = 3) -> tuple[int, ...]:
+    """``k`` EAGLE3 ids, spread over the layers, none the last layer's (pristine 0.5.23
+    has no final-layer capture: it would return K - 1 slots)."""
+    if layers < k + 2:
+        raise ValueError(f"the engine benchmark needs at least {k + 2} layers for {k} ids")
+    if k == 3:
+        return (1, layers // 2, layers - 2)
+    return tuple(range(1, k + 1))
+
+
+def shape(width: int) -> tuple[int, int]:
+    """(K, H) of a width of ``SHAPES``."""
+    if width not in SHAPES:
+        raise ValueError(f"width {width}: one of {sorted(SHAPES)}")
+    return SHAPES[width]
 
 
 def expected_rows(prompt_len: int, new_tokens: int, prompts: int) -> int:
@@ -85,37 +129,54 @@ def expected_rows(prompt_len: int, new_tokens: int, prompts: int) -> int:
 
 
 def rotation(round_index: int, variants: Sequence[str] = VARIANTS) -> list[str]:
-    """Round ``i``'s order: ``variants`` rotated by ``i`` (ABC, BCA, CAB, ...)."""
+    """Round ``i``'s order: ``variants`` rotated by ``i``."""
     k = round_index % len(variants)
     return list(variants[k:]) + list(variants[:k])
 
 
-def summarize(samples: Sequence[dict[str, Any]], rows: int, width: int) -> dict[str, Any]:
-    """Per variant the median wall time of a batch (and min, max, n), rows/s and MiB/s of
-    features at the median; the ratios of ``RATIOS`` (rows/s over rows/s)."""
-    per: dict[str, dict[str, Any]] = {}
-    for v in VARIANTS:
-        secs = [s["seconds"] for s in samples if s["variant"] == v]
-        if not secs:
-            continue
-        med = statistics.median(secs)
-        per[v] = {"n": len(secs), "median_s": med, "min_s": min(secs), "max_s": max(secs),
-                  "rows_per_s": rows / med, "feature_mib_per_s": rows * width * 4 / 2**20 / med}
-    ratios = {f"{a}/{b}": per[a]["rows_per_s"] / per[b]["rows_per_s"]
-              for a, b in RATIOS if a in per and b in per}
-    # Paired: per round, the ratio of the two variants' rows/s in that round (the same
-    # few seconds of machine load), then the median over rounds; slow drift in the
-    # load cancels within a round, which the medians of wall times above do not.
+def ratios_to_plain(samples: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per capturing variant, its rows/s over plain's in the same round (plain's wall
+    time over its own), median, min and max over the rounds."""
     by_round: dict[Any, dict[str, float]] = {}
-    for sample in samples:
-        if "round" in sample:
-            by_round.setdefault(sample["round"], {})[sample["variant"]] = sample["seconds"]
-    paired = {}
-    for a, b in RATIOS:
-        within = [r[b] / r[a] for r in by_round.values() if a in r and b in r]
+    for s in samples:
+        by_round.setdefault(s["round"], {})[s["variant"]] = s["seconds"]
+    out = {}
+    for v in CAPTURING:
+        within = [r["plain"] / r[v] for r in by_round.values() if v in r and "plain" in r]
         if within:
-            paired[f"{a}/{b}"] = statistics.median(within)
-    return {"variants": per, "ratios": ratios, "paired_ratios": paired}
+            out[v] = {"median": statistics.median(within), "min": min(within), "max": max(within),
+                      "n": len(within)}
+    return out
+
+
+def projection(return_path: Sequence[dict[str, Any]], assumptions: dict[str, Any] = GPU_ASSUMPTIONS) -> dict:
+    """What the return path alone costs a GPU server at the widest width and largest
+    batch measured: per variant, the share of the time of a token (prefill and decode)
+    that returning its row takes, if the return path runs at the rows/s measured here
+    and does not overlap the forward; and the physical floor (the bytes of a row over
+    PCIe, and over one host copy)."""
+    widest = max(r["width"] for r in return_path)
+    batch = max(r["batch"] for r in return_path if r["width"] == widest)
+    row_bytes = widest * assumptions["dtype_bytes"]
+    out: dict[str, Any] = {"width": widest, "batch": batch, "row_bytes": row_bytes,
+                           "assumptions": assumptions, "variants": {}}
+    for r in return_path:
+        if r["width"] != widest or r["batch"] != batch:
+            continue
+        out["variants"][r["variant"]] = {
+            "rows_per_s": r["rows_per_s"],
+            "share_of_prefill_token": assumptions["prefill_tokens_per_s"] / (
+                assumptions["prefill_tokens_per_s"] + r["rows_per_s"]),
+            "share_of_decode_token": assumptions["decode_tokens_per_s"] / (
+                assumptions["decode_tokens_per_s"] + r["rows_per_s"]),
+        }
+    out["floor"] = {
+        "pcie_rows_per_s": assumptions["pcie_bytes_per_s"] / row_bytes,
+        "host_copy_rows_per_s": assumptions["host_copy_bytes_per_s"] / row_bytes,
+        "share_of_prefill_token_at_pcie": assumptions["prefill_tokens_per_s"] * row_bytes
+        / assumptions["pcie_bytes_per_s"],
+    }
+    return out
 
 
 def _mib(n: int | None) -> str:
@@ -123,37 +184,58 @@ def _mib(n: int | None) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    m, s = report["meta"], report["summary"]
-    lines = [
-        f"Capture cost in SGLang {m['base']}'s Engine (CPU, {m['cores']} cores): {m['family']}, "
-        f"H = {m['hidden']}, {m['layers']} layers, K = {m['k']} (ids {m['layer_ids']}), float32; "
-        f"{m['prompts']} prompts x {m['prompt_len']} tokens, {m['new_tokens']} new tokens each; "
-        f"{m['rows']} feature rows of K*H = {m['width']} per batch. {m['rounds']} rounds after one "
-        "warm-up, order rotated each round; median per variant. rows/s = rows / wall time of "
-        "Engine.generate (no-capture: the same token positions, none returned).",
-        "",
-        "| variant | median s | min-max s | rows/s | features MiB/s | peak RSS MiB |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for v in VARIANTS:
-        r = s["variants"].get(v)
-        if r is None:
-            continue
-        rss = report.get("rss", {}).get(v, {}).get("engine_peak_rss_bytes")
-        feat = "-" if v == "no-capture" else f"{r['feature_mib_per_s']:,.1f}"
-        lines.append(f"| {LABELS[v]} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
-                     f"{r['rows_per_s']:,.0f} | {feat} | {_mib(rss)} |")
-    lines += ["", "| ratio of rows/s | value |", "|---|---:|"]
-    names = {"series/pristine": "b/a (series over pristine)", "pristine/no-capture": "a/c (pristine over no capture)",
-             "series/no-capture": "b/c (series over no capture)"}
-    lines[-2:] = ["| ratio of rows/s | of the medians | paired (median of per-round ratios) |",
-                  "|---|---:|---:|"]
-    for key, value in s["ratios"].items():
-        pair = s.get("paired_ratios", {}).get(key)
-        lines.append(f"| {names.get(key, key)} | {value:.3f} | {'-' if pair is None else f'{pair:.3f}'} |")
-    lines += ["", f"Same features: {report['same_features']}. Peak RSS: the largest VmHWM among each "
-              "Engine's processes (the scheduler), since it started.",
-              "SGLang per variant: " + "; ".join(f"{v}: {p}" for v, p in report["provenance"].items())]
+    m = report["meta"]
+    lines = [f"Returning features in SGLang {m['base']}'s Engine (CPU, {m['cores']} cores): llama, "
+             f"{m['layers']} layers, float32; {m['prompts']} prompts x {m['prompt_len']} tokens, "
+             f"{m['new_tokens']} new tokens each; {m['rounds']} rounds per width after one warm-up, order "
+             "rotated each round. ratio_to_plain = the variant's rows/s over plain generation's in the same "
+             "round (median, min-max over rounds).", ""]
+    if report.get("engine"):
+        lines += ["| K * H | K x H | variant | ratio_to_plain (median) | min-max | rows/s | peak RSS MiB |",
+                  "|---:|---|---|---:|---:|---:|---:|"]
+        for row in report["engine"]:
+            r = row["ratio_to_plain"]
+            rs = f"{r['median']:.3f}" if r else "1"
+            mm = f"{r['min']:.3f}-{r['max']:.3f}" if r else "-"
+            lines.append(f"| {row['width']:,} | {row['k']} x {row['hidden']} | {LABELS[row['variant']]} | {rs} | "
+                         f"{mm} | {row['rows_per_s']:,.0f} | {_mib(row.get('peak_rss_bytes'))} |")
+        lines += ["", "Same features: " + "; ".join(f"{w}: {v}" for w, v in report["same_features"].items()),
+                  "SGLang per variant: " + "; ".join(f"{v}: {p}" for v, p in report["provenance"].items()), ""]
+    rp = report.get("return_path") or []
+    if rp:
+        lines += ["The return path alone (result processor -> pipes -> caller; "
+                  f"{rp[0]['prompt']}-token prefill + {rp[0]['decode_steps']} decode steps a request, "
+                  "bfloat16 rows; rows/s, median of "
+                  f"{report['meta']['return_repeats']} repeats):", "",
+                  "| K * H | batch | pristine lists | series lists | series arrays | arrays / pristine |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        keys = sorted({(r["width"], r["batch"]) for r in rp})
+        for w, b in keys:
+            got = {r["variant"]: r["rows_per_s"] for r in rp if r["width"] == w and r["batch"] == b}
+            lines.append(f"| {w:,} | {b} | {got['pristine-lists']:,.0f} | {got['series-lists']:,.0f} | "
+                         f"{got['series-arrays']:,.0f} | {got['series-arrays'] / got['pristine-lists']:.1f}x |")
+        shares = report.get("share_of_token") or []
+        if shares:
+            lines += ["", "Share of a token's time on this CPU (return path at batch "
+                      f"{shares[0]['batch']}, against plain generation's rows/s in the Engine):", "",
+                      "| K * H | pristine lists | series lists | series arrays |", "|---:|---:|---:|---:|"]
+            for s in shares:
+                lines.append(f"| {s['width']:,} | {s['pristine-lists']:.1%} | {s['series-lists']:.1%} | "
+                             f"{s['series-arrays']:.1%} |")
+        p = report.get("projection")
+        if p:
+            a = p["assumptions"]
+            lines += ["", f"On a GPU ({a['model']}; {a['card']}): the share of a token's time the return path "
+                      f"would take at K * H = {p['width']:,}, batch {p['batch']}, at the rows/s measured here:", "",
+                      "| variant | prefill token | decode token |", "|---|---:|---:|"]
+            for v, x in p["variants"].items():
+                lines.append(f"| {v} | {x['share_of_prefill_token']:.1%} | {x['share_of_decode_token']:.1%} |")
+            f = p["floor"]
+            lines += ["", f"Physical floor: a row is {p['row_bytes']:,} bytes; over PCIe "
+                      f"{f['pcie_rows_per_s']:,.0f} rows/s, one host copy {f['host_copy_rows_per_s']:,.0f} "
+                      f"rows/s (a prefill token's row costs {f['share_of_prefill_token_at_pcie']:.1%} of "
+                      "its time at PCIe speed).", "Assumptions: " + "; ".join(
+                          a[k] for k in ("prefill_source", "decode_source", "pcie_source", "host_copy_source"))]
     return "\n".join(lines) + "\n"
 
 
@@ -185,7 +267,7 @@ def check_provenance(variant: str, records: list[dict[str, str]], pristine: Path
     tree it should be (pristine: under ``pristine`` with the list; else not, packer)."""
     if not records:
         raise HarnessError(f"engine bench: {variant}'s Engine processes recorded no SGLang")
-    want_pristine = variant == "pristine"
+    want_pristine = variant.startswith("pristine")
     for r in records:
         inside = Path(r["aux_hidden_states"]).resolve().is_relative_to(pristine.resolve())
         collector = r["llama_collector"]
@@ -216,9 +298,9 @@ def _checkpoint(directory: Path, hidden: int, layers: int) -> Path:
     from harness.parity import reference
     from harness.parity.families import families, tiny_fields
 
-    heads = max(4, hidden // 32)
+    heads = max(4, hidden // 64)
     fam = dataclasses.replace(families()["llama"], config=lambda: tiny_fields(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        hidden_size=hidden, intermediate_size=max(hidden // 2, 64), num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=hidden // heads,
         max_position_embeddings=512))
     reference.make_checkpoint(fam, directory)
@@ -232,13 +314,11 @@ def _configs(ckpt: Path, ids: Sequence[int], prompts: int, tokens: int, provenan
                   max_total_tokens=max(2048, prompts * tokens), disable_radix_cache=True)
     capture = dict(common, enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
                    return_aux_hidden_state_layer_ids=list(ids))
-    out = {}
-    for v in VARIANTS:
-        extra = common if v == "no-capture" else capture
-        out[v] = EngineConfig(key=f"bench-{v}", model="llama", target=str(ckpt), extra=tuple(extra.items()),
-                              setup=("harness.e2e.bench:record_provenance",),
-                              env=((PROVENANCE_ENV, str(provenance / v)),))
-    return out
+    return {v: EngineConfig(key=f"bench-{v}", model="llama", target=str(ckpt),
+                            extra=tuple((common if v == "plain" else capture).items()),
+                            setup=("harness.e2e.bench:record_provenance",),
+                            env=((PROVENANCE_ENV, str(provenance / v)),))
+            for v in VARIANTS}
 
 
 def _parallel(calls: dict[str, Any]) -> None:
@@ -260,12 +340,85 @@ def _parallel(calls: dict[str, Any]) -> None:
         raise HarnessError(f"engine bench: {name}: {exc}") from exc
 
 
+def _width_runs(args, lay, base: str, pristine: Path, width: int, root: Path) -> dict[str, Any]:
+    """The four Engines at one width: rounds, ratios, rows/s, peak RSS, provenance."""
+    import torch
+
+    from harness.e2e.engine import Session
+
+    k, hidden = shape(width)
+    ids = layer_ids(args.engine_layers, k)
+    rows = expected_rows(args.prompt_len, args.new_tokens, args.prompts)
+    gen = torch.Generator().manual_seed(0)
+    batch = [torch.randint(*PROMPT_TOKENS, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+    sampling = {"temperature": 0.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+    ckpt = _checkpoint(root / f"llama-{width}", hidden, args.engine_layers)
+    configs = _configs(ckpt, ids, args.prompts, args.prompt_len + args.new_tokens, root / f"provenance-{width}")
+    env_pristine = dict(os.environ)
+    env_pristine["PYTHONPATH"] = os.pathsep.join(
+        [str(pristine)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    sessions = {v: Session(root / f"{v}-{width}", base=f"{base} ({v})",
+                           env=env_pristine if v.startswith("pristine") else None) for v in VARIANTS}
+    samples: list[dict[str, Any]] = []
+    digests: dict[str, set[str]] = {v: set() for v in CAPTURING}
+    t0 = time.monotonic()
+    try:
+        print(f"[bench] width {width} (K {k} x H {hidden}): starting 4 engine drivers", flush=True)
+        _parallel({v: (lambda v=v: sessions[v].ensure(configs[v])) for v in VARIANTS})
+        print(f"[bench] engines up after {time.monotonic() - t0:.0f} s", flush=True)
+        for s in sessions.values():
+            s.pause()
+        for r in range(args.rounds + 1):
+            for v in rotation(r):
+                s = sessions[v]
+                capture = v != "plain"
+                s.resume()
+                outs = s.generate(None, sampling, input_ids=batch, return_hidden_states=capture,
+                                  hidden_summary=capture, raw_hidden_states=v == "series-arrays")
+                s.pause()
+                got_rows = sum(o.get("hidden_rows", 0) for o in outs)
+                if capture:
+                    widths = {o.get("hidden_width") for o in outs}
+                    if got_rows != rows or widths != {width}:
+                        raise HarnessError(f"engine bench: {v} returned {got_rows} rows of width {widths}, "
+                                           f"expected {rows} of {width}")
+                    if v == "series-arrays" and {o.get("hidden_type") for o in outs} != {"Tensor"}:
+                        raise HarnessError(f"engine bench: series-arrays got {outs[0].get('hidden_type')}")
+                    digests[v].add("".join(o["hidden_sha256"] for o in outs))
+                if r:
+                    samples.append({"variant": v, "round": r, "seconds": s.last_generate_s})
+            print(f"[bench] width {width} round {r}{' (warm-up)' if r == 0 else ''}: "
+                  + ", ".join(f"{v} {sessions[v].last_generate_s:.3f} s" for v in rotation(r)), flush=True)
+        rss = {v: sessions[v].rss().get("engine_peak_rss_bytes") for v in VARIANTS}
+    finally:
+        for s in sessions.values():
+            if s.proc is not None and s.current is not None:
+                try:
+                    s.resume()  # a stopped Engine cannot shut down
+                except Exception:  # noqa: BLE001 - close() kills the group anyway
+                    pass
+            s.close()
+    provenance = {v: check_provenance(v, read_provenance(root / f"provenance-{width}" / v), pristine)
+                  for v in VARIANTS}
+    same = (len({d for ds in digests.values() for d in ds}) == 1
+            and all(len(ds) == 1 for ds in digests.values()))
+    ratios = ratios_to_plain(samples)
+    out = []
+    for v in VARIANTS:
+        secs = [s["seconds"] for s in samples if s["variant"] == v]
+        out.append({"width": width, "k": k, "hidden": hidden, "layer_ids": list(ids), "variant": v,
+                    "ratio_to_plain": ratios.get(v), "median_s": statistics.median(secs),
+                    "rows_per_s": rows / statistics.median(secs), "peak_rss_bytes": rss[v]})
+    return {"rows": out, "same": "yes (identical rows, sha256 of float32 bytes)" if same else
+            f"NO: {({v: len(d) for v, d in digests.items()})} digests", "provenance": provenance}
+
+
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
     import torch
 
-    from harness.e2e.engine import Session
+    from harness.e2e import return_path
     from harness.patchset.layout import layout
 
     lay = layout()
@@ -276,77 +429,43 @@ def run(args: argparse.Namespace) -> int:
     if has_flag.returncode != 0:
         raise HarnessError(f"engine bench: SGLang {base} has no --enable-return-aux-hidden-states "
                            "(run it with BASE=0.5.23)")
-    pristine = pristine_tree(lay, tag)
-    ids = layer_ids(args.engine_layers)
-    k, width = len(ids), len(ids) * args.engine_hidden
-    rows = expected_rows(args.prompt_len, args.new_tokens, args.prompts)
-    gen = torch.Generator().manual_seed(0)
-    batch = [torch.randint(*PROMPT_TOKENS, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
-    sampling = {"temperature": 0.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+    widths = [int(w) for w in args.widths.split(",") if w]
+    for w in widths:
+        shape(w)
+    batches = [int(b) for b in args.return_batches.split(",") if b]
     t_start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        root = Path(tmp)
-        ckpt = _checkpoint(root / "llama", args.engine_hidden, args.engine_layers)
-        configs = _configs(ckpt, ids, args.prompts, args.prompt_len + args.new_tokens, root / "provenance")
-        env_pristine = dict(os.environ)
-        env_pristine["PYTHONPATH"] = os.pathsep.join(
-            [str(pristine)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-        sessions = {v: Session(root / v, base=f"{base} ({v})", env=env_pristine if v == "pristine" else None)
-                    for v in VARIANTS}
-        samples: list[dict[str, Any]] = []
-        digests: dict[str, set[str]] = {v: set() for v in VARIANTS}
-        try:
-            print(f"[bench] starting 3 engine drivers (pristine from {lay.rel(pristine)})", flush=True)
-            _parallel({v: (lambda v=v: sessions[v].ensure(configs[v])) for v in VARIANTS})
-            print(f"[bench] engines up after {time.monotonic() - t_start:.0f} s", flush=True)
-            # An idle SGLang scheduler spins in its event loop: the Engines waiting their
-            # turn are stopped (SIGSTOP) so that they leave the cores to the one measured.
-            for s in sessions.values():
-                s.pause()
-            for r in range(args.rounds + 1):
-                for v in rotation(r):
-                    s = sessions[v]
-                    capture = v != "no-capture"
-                    s.resume()
-                    outs = s.generate(None, sampling, input_ids=batch, return_hidden_states=capture,
-                                      hidden_summary=capture)
-                    s.pause()
-                    got_rows = sum(o.get("hidden_rows", 0) for o in outs)
-                    if capture:
-                        widths = {o.get("hidden_width") for o in outs}
-                        if got_rows != rows or widths != {width}:
-                            raise HarnessError(f"engine bench: {v} returned {got_rows} rows of width {widths}, "
-                                               f"expected {rows} of {width}")
-                        digests[v].add("".join(o["hidden_sha256"] for o in outs))
-                    if r == 0:
-                        continue  # warm-up
-                    samples.append({"variant": v, "round": r, "seconds": s.last_generate_s, "rows": got_rows})
-                print(f"[bench] round {r}{' (warm-up)' if r == 0 else ''}: "
-                      + ", ".join(f"{v} {sessions[v].last_generate_s:.3f} s" for v in rotation(r)), flush=True)
-            rss = {v: {k_: v_ for k_, v_ in sessions[v].rss().items() if k_ != "ok"} for v in VARIANTS}
-        finally:
-            for s in sessions.values():
-                if s.proc is not None and s.current is not None:
-                    try:
-                        s.resume()  # a stopped Engine cannot shut down
-                    except Exception:  # noqa: BLE001 - close() kills the group anyway
-                        pass
-                s.close()
-        provenance = {v: check_provenance(v, read_provenance(root / "provenance" / v), pristine) for v in VARIANTS}
-    same = ("yes (identical rows, sha256 of float32 bytes)"
-            if digests["pristine"] == digests["series"] and len(digests["series"]) == 1
-            else f"NO: pristine {len(digests['pristine'])} digest(s), series {len(digests['series'])}, differ")
+    engine_rows: list[dict[str, Any]] = []
+    same, provenance = {}, {}
+    if not args.no_engine_runs:
+        pristine = pristine_tree(lay, tag)
+        with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+            for w in widths:
+                got = _width_runs(args, lay, base, pristine, w, Path(tmp))
+                engine_rows += got["rows"]
+                same[str(w)] = got["same"]
+                provenance = got["provenance"]
+    print("[bench] the return path alone", flush=True)
+    rp = return_path.measure(widths, batches, args.prompt_len, args.new_tokens, args.return_repeats)
+    shares = []
+    biggest = max(batches)
+    for w in widths:
+        plain = next((r for r in engine_rows if r["width"] == w and r["variant"] == "plain"), None)
+        if plain is None:
+            continue
+        per = {r["variant"]: r["rows_per_s"] for r in rp if r["width"] == w and r["batch"] == biggest}
+        shares.append({"width": w, "batch": biggest, "plain_rows_per_s": plain["rows_per_s"],
+                       **{v: plain["rows_per_s"] / (plain["rows_per_s"] + per[v]) for v in per}})
     report = {
-        "meta": {"base": base, "cores": os.cpu_count(), "family": "llama", "hidden": args.engine_hidden,
-                 "layers": args.engine_layers, "k": k, "layer_ids": list(ids), "width": width,
-                 "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                 "rows": rows, "rounds": args.rounds, "torch": torch.__version__,
+        "meta": {"base": base, "cores": os.cpu_count(), "layers": args.engine_layers, "prompts": args.prompts,
+                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rounds": args.rounds,
+                 "return_repeats": args.return_repeats, "torch": torch.__version__,
                  "wall_s": round(time.monotonic() - t_start, 1)},
-        "summary": summarize(samples, rows, width),
-        "samples": samples,
-        "rss": rss,
+        "engine": engine_rows,
         "same_features": same,
         "provenance": provenance,
+        "return_path": rp,
+        "share_of_token": shares,
+        "projection": projection(rp),
     }
     out = lay.results / "bench"
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,11 @@ which sends one JSON command a line on fd R and reads one JSON answer a line on 
 - ``{"op": "generate", "prompt": str | [str], "sampling": {...}}`` -> ``outputs``; or
   ``"input_ids": [int] | [[int]]`` instead of a prompt, and ``"return_hidden_states":
   true`` to keep each output's ``meta_info["hidden_states"]`` (with ``"hidden_summary":
-  true`` only their row count, width and a digest of their float32 bytes: the benchmark's)
+  true`` only their row count, width and a digest of their float32 bytes: the benchmark's;
+  with ``"raw_hidden_states": true`` the Engine is asked for one tensor per request,
+  ``return_raw_hidden_states``, handed back as ``hidden_states_raw``: its dtype, shape
+  and bytes in base64)
+- ``{"op": "flush"}``: the Engine's ``flush_cache()`` (an empty radix cache, as after start)
 - ``{"op": "rss"}`` -> the largest peak RSS (``VmHWM``) among the Engine's processes
 - ``{"op": "pause"}`` / ``{"op": "resume"}``: SIGSTOP / SIGCONT the Engine's processes (an
   idle scheduler spins in its event loop; a benchmark stops the Engines waiting their turn)
@@ -145,12 +149,47 @@ def flat_rows(hidden_states: Any) -> list[list[float]]:
     return rows
 
 
+def raw_record(tensor: Any) -> dict[str, Any]:
+    """A tensor the Engine returned (``return_raw_hidden_states``), for the JSON answer:
+    its type, dtype, shape and bytes (base64). ``raw_tensor`` is the inverse."""
+    import base64
+
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        return {"type": type(tensor).__name__}
+    flat = tensor.detach().contiguous().reshape(-1)
+    data = flat.view(torch.uint8) if flat.numel() else flat
+    return {"type": "Tensor", "dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape),
+            "data": base64.b64encode(data.numpy().tobytes()).decode()}
+
+
+def raw_tensor(record: dict[str, Any]) -> Any:
+    """The tensor of a ``raw_record`` (a ValueError when the Engine returned no tensor)."""
+    import base64
+
+    import torch
+
+    if record.get("type") != "Tensor":
+        raise ValueError(f"the Engine returned a {record.get('type')}, not a tensor")
+    dtype = getattr(torch, record["dtype"])
+    data = bytearray(base64.b64decode(record["data"]))
+    flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(record["shape"])
+
+
 def hidden_summary_of(hidden_states: Any) -> dict[str, Any]:
     """``meta_info["hidden_states"]`` in brief: rows (a prefill appends a list of rows,
-    a decode step one row), their width, and the sha256 of the rows as float32 bytes."""
+    a decode step one row; or one ``[rows, width]`` tensor, ``return_raw_hidden_states``),
+    their width, and the sha256 of the rows as float32 bytes (the same for both forms)."""
     import hashlib
     import struct
 
+    if hasattr(hidden_states, "float") and hasattr(hidden_states, "dim"):  # a tensor
+        t = hidden_states.float().contiguous()
+        t = t.reshape(1, -1) if t.dim() == 1 else t
+        return {"hidden_rows": int(t.shape[0]), "hidden_width": int(t.shape[1]),
+                "hidden_sha256": hashlib.sha256(t.numpy().astype("<f4").tobytes()).hexdigest()}
     rows = flat_rows(hidden_states)
     digest = hashlib.sha256()
     for row in rows:
@@ -230,10 +269,12 @@ class Driver:
         return {"start_s": round(time.monotonic() - t0, 2)}
 
     def generate(self, prompt: Any, sampling: dict[str, Any], input_ids: Any = None,
-                 return_hidden_states: bool = False, hidden_summary: bool = False) -> dict[str, Any]:
+                 return_hidden_states: bool = False, hidden_summary: bool = False,
+                 raw_hidden_states: bool = False) -> dict[str, Any]:
         """One ``Engine.generate``: text ``prompt`` or token ``input_ids`` (one request
         or a list); with ``return_hidden_states`` each output keeps its
-        ``meta_info["hidden_states"]`` (``hidden_summary``: its ``hidden_summary``)."""
+        ``meta_info["hidden_states"]`` (``hidden_summary``: its ``hidden_summary``;
+        ``raw_hidden_states``: asked for as one tensor, kept as ``hidden_states_raw``)."""
         if self.engine is None:
             raise RuntimeError("no engine is running")
         t0 = time.monotonic()
@@ -244,6 +285,8 @@ class Driver:
             kwargs["prompt"] = prompt
         if return_hidden_states:
             kwargs["return_hidden_states"] = True
+        if raw_hidden_states:
+            kwargs["return_raw_hidden_states"] = True
         out = self.engine.generate(**kwargs)
         elapsed = time.monotonic() - t0
         outs = out if isinstance(out, list) else [out]
@@ -256,10 +299,20 @@ class Driver:
             record = {"output_ids": list(o.get("output_ids") or []), "text": o.get("text"), "meta": meta}
             if return_hidden_states and hidden_summary:
                 record.update(hidden_summary_of(info.get("hidden_states")))
+                if raw_hidden_states:
+                    record["hidden_type"] = type(info.get("hidden_states")).__name__
+            elif raw_hidden_states:
+                record["hidden_states_raw"] = raw_record(info.get("hidden_states"))
             elif return_hidden_states:
                 record["hidden_states"] = info.get("hidden_states")
             keep.append(record)
         return {"outputs": keep, "generate_s": round(elapsed, 4)}
+
+    def flush(self) -> dict[str, Any]:
+        if self.engine is None:
+            raise RuntimeError("no engine is running")
+        ok = self.engine.flush_cache()
+        return {"flushed": bool(getattr(ok, "success", ok))}
 
     def _engine_processes(self) -> list:
         """The processes the Engine runs in: the driver's descendants but its forkserver."""
@@ -327,7 +380,10 @@ def _serve(cmd_fd: int, resp_fd: int) -> int:
                                       cmd.get("env"))
             elif op == "generate":
                 result = driver.generate(cmd.get("prompt"), cmd["sampling"], cmd.get("input_ids"),
-                                         bool(cmd.get("return_hidden_states")), bool(cmd.get("hidden_summary")))
+                                         bool(cmd.get("return_hidden_states")), bool(cmd.get("hidden_summary")),
+                                         bool(cmd.get("raw_hidden_states")))
+            elif op == "flush":
+                result = driver.flush()
             elif op == "rss":
                 result = driver.rss()
             elif op in ("pause", "resume"):

@@ -286,11 +286,14 @@ class Session:
 
     def generate(self, prompt: str | list[str] | None, sampling: dict[str, Any] | list[dict[str, Any]],
                  timeout: float = GENERATE_TIMEOUT, *, input_ids: list | None = None,
-                 return_hidden_states: bool = False, hidden_summary: bool = False) -> list[dict[str, Any]]:
+                 return_hidden_states: bool = False, hidden_summary: bool = False,
+                 raw_hidden_states: bool = False) -> list[dict[str, Any]]:
         """One ``Engine.generate`` of ``prompt`` (text) or ``input_ids`` (tokens; one
         request or a list of them; ``sampling`` one for all or one each), each output's
         ``meta_info["hidden_states"]`` kept with ``return_hidden_states`` (with
-        ``hidden_summary``: only ``hidden_rows``, ``hidden_width`` and ``hidden_sha256``).
+        ``hidden_summary``: only ``hidden_rows``, ``hidden_width`` and ``hidden_sha256``;
+        ``raw_hidden_states``: asked for as one tensor per request, kept as
+        ``hidden_states_raw``, ``harness.e2e.driver.raw_record``).
         ``last_generate_s``: the driver's wall time of the ``Engine.generate`` call."""
         if self.current is None:
             raise EngineError("no engine is running")
@@ -301,10 +304,20 @@ class Session:
             cmd["return_hidden_states"] = True
         if hidden_summary:
             cmd["hidden_summary"] = True
+        if raw_hidden_states:
+            cmd["return_hidden_states"] = cmd["raw_hidden_states"] = True
         answer = self._call(cmd, timeout, "generate")
         self.last_generate_s = float(answer.get("generate_s", 0.0))
         self.timings.append((self.current.key, "generate", self.last_generate_s))
         return answer["outputs"]
+
+    def flush(self) -> None:
+        """The Engine's radix cache emptied (``Engine.flush_cache``)."""
+        if self.current is None:
+            raise EngineError("no engine is running")
+        answer = self._call({"op": "flush"}, GENERATE_TIMEOUT, "flush the cache")
+        if not answer.get("flushed"):
+            raise EngineError(f"{self.current.key}: flush_cache() refused")
 
     def pause(self) -> None:
         """Stop the Engine's processes (SIGSTOP) until ``resume()``: an idle SGLang

@@ -39,7 +39,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from harness.e2e.engine import EngineConfig, EngineError, Session
 
@@ -210,6 +210,10 @@ class Request:
     output_ids: list[int]
     rows: Any          # torch.Tensor [n, K*H]: what SGLang returned, in order
     meta: dict[str, Any]
+    # RAW_CASES: the same request sent again asking for one tensor
+    # (return_raw_hidden_states), or the error that got instead; and its output ids.
+    raw: Any = None
+    raw_output_ids: Optional[list[int]] = None
 
     @property
     def sequence(self) -> list[int]:
@@ -347,9 +351,33 @@ class FeatureRuns:
                     raise EngineError(f"{case.key}: {len(prompts)} requests of stage {stage} gave {len(got)} outputs")
                 for prompt, o in zip(prompts, got):
                     out.append(Request(stage, prompt, o["output_ids"], rows_of(o.get("hidden_states")), o["meta"]))
+            if case in RAW_CASES:
+                self._raw_pass(out)
         except EngineError as exc:
             return exc
         return FeatureRun(case, ckpt, out)
+
+    def _raw_pass(self, out: list[Request]) -> None:
+        """The stages again, from an empty radix cache (so each forward is the one the
+        list pass ran), asking for one tensor per request (``return_raw_hidden_states``)."""
+        from harness.e2e.driver import raw_tensor
+
+        self.session.flush()
+        pending = iter(out)
+        for stage, prompts in requests().items():
+            try:
+                got = self.session.generate(None, SAMPLING, input_ids=prompts, raw_hidden_states=True)
+            except EngineError as exc:  # the Engine refused the argument: each test says so
+                for _ in prompts:
+                    next(pending).raw = exc
+                continue
+            for o in got:
+                req = next(pending)
+                req.raw_output_ids = o["output_ids"]
+                try:
+                    req.raw = raw_tensor(o.get("hidden_states_raw") or {})
+                except ValueError as exc:
+                    req.raw = exc
 
 
 # ---------------------------------------------------------------- what runs, what fails
@@ -399,6 +427,13 @@ DFLASH_FAMILIES = ("llama", "qwen3_moe", "gpt_oss")
 # The DSPARK convention once, with post_norm (the capture-only path resolves it from the
 # server argument with is_dspark set; no served family has a DSpark setter of its own).
 DSPARK_CASES = (FeatureCase("llama", "post_norm", method="DSPARK"),)
+# The configurations whose requests are sent twice, the second time asking for one tensor
+# per request (return_raw_hidden_states, patch return-hidden-states-arrays): both sides
+# of the final norm, TP 2 and MLA, each stage (mixed batch, chunked prompt, cached prefix).
+RAW_CASES = (FeatureCase("llama", "pre_norm"), FeatureCase("llama", "post_norm"),
+             FeatureCase("qwen3_moe", "pre_norm", tp=2), FeatureCase("deepseek_v3", "pre_norm"))
+# The patch that keeps hidden states as arrays to the caller.
+RAW_HIDDEN_STATES = "return-hidden-states-arrays"
 FEATURE_CASES = tuple(
     [FeatureCase(f, capture) for f in FAMILIES for capture in CAPTURES
      if capture == "pre_norm" or f in POST_NORM_FAMILIES]

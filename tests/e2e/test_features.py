@@ -169,3 +169,34 @@ def test_cached_prefix_rows(feature_runs, case):
         f"expected {n - cached}")
     problem = compare(req.rows[:n - cached], run.expected(req)[cached:n], run)
     assert problem is None, f"{case.key} prompt rows after the cached prefix: {problem}"
+
+
+def _raw_params():
+    """The configurations sent twice (``features.RAW_CASES``); the first guards the patch
+    that returns the raw form (without it the Engine refuses the argument: one Engine
+    shows it, each refused one costs the ablation a driver)."""
+    return [pytest.param(case, id=case.key,
+                         marks=[pytest.mark.guards(features.RAW_HIDDEN_STATES)] if i == 0 else [])
+            for i, case in enumerate(features.RAW_CASES)]
+
+
+@pytest.mark.parametrize("case", _raw_params())
+def test_raw_rows_equal_list_rows(feature_runs, case):
+    """Each request of every stage sent again, from an empty radix cache, asking for one
+    tensor per request (``return_raw_hidden_states``): a tensor of the list rows' shape
+    in the Engine's dtype, equal to them bit for bit (so every value check of the list
+    rows against transformers holds for it), with the same output tokens and, for the
+    cached prompt, the same cached prefix."""
+    import torch
+
+    run = _run(feature_runs, case)
+    for req in run.requests:
+        what = f"{case.key} {req.stage}"
+        assert not isinstance(req.raw, Exception), f"{what}: the raw form: {req.raw}"
+        assert isinstance(req.raw, torch.Tensor) and req.raw.dtype == torch.float32, (
+            f"{what}: {type(req.raw).__name__} {getattr(req.raw, 'dtype', '')}")
+        assert req.raw_output_ids == req.output_ids, f"{what}: {req.raw_output_ids} != {req.output_ids}"
+        assert tuple(req.raw.shape) == tuple(req.rows.shape), (
+            f"{what}: raw {tuple(req.raw.shape)}, lists {tuple(req.rows.shape)}")
+        assert torch.equal(req.raw, req.rows), (
+            f"{what}: raw rows differ from the list rows by {float((req.raw - req.rows).abs().max()):.3g}")

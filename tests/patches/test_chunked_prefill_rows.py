@@ -66,6 +66,12 @@ def _prefill(req, rows, chunks, mode="full", last=True):
         start += n
 
 
+def _values(entries):
+    """``req.hidden_states`` as plain lists: its entries are lists of floats, or host
+    tensors once return-hidden-states-arrays keeps them as arrays."""
+    return [e.tolist() if hasattr(e, "tolist") else e for e in entries]
+
+
 def _rows(n=19):
     import torch
 
@@ -78,21 +84,21 @@ def test_every_chunk_rows_returned(chunks):
     req, rows = _req(True), _rows()
     _prefill(req, rows, chunks)
     assert len(req.hidden_states) == 1, f"{len(req.hidden_states)} prefill entries for one prompt"
-    assert req.hidden_states[0] == rows.tolist(), (
+    assert _values(req.hidden_states)[0] == rows.tolist(), (
         f"chunks {chunks}: {len(req.hidden_states[0])} rows back for a prompt of {len(rows)}")
 
 
 def test_one_chunk_unchanged():
     req, rows = _req(True), _rows()
     _prefill(req, rows, (19,))
-    assert req.hidden_states == [rows.tolist()]
+    assert _values(req.hidden_states) == [rows.tolist()]
 
 
 @pytest.mark.parametrize("mode", ["full", "last"])
 def test_last_mode_keeps_the_prompts_last_row(mode):
     req, rows = _req("last"), _rows()
     _prefill(req, rows, (8, 8, 3), mode)
-    assert req.hidden_states == [rows[-1].tolist()]
+    assert _values(req.hidden_states) == [rows[-1].tolist()]
 
 
 @GUARD
@@ -104,7 +110,7 @@ def test_retracted_request_starts_over():
     req.reset_for_retract()
     req.is_retracted = False
     _prefill(req, rows, (8, 8, 3))
-    assert req.hidden_states == [rows.tolist()]
+    assert _values(req.hidden_states) == [rows.tolist()]
 
 
 def test_aborted_between_chunks_returns_nothing():

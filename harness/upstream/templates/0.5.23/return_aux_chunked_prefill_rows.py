@@ -39,6 +39,12 @@ def _req(mode=True):
     )
 
 
+def _values(entries):
+    # A request's entries, as lists of floats whether they are kept as lists or as
+    # host tensors.
+    return [e.tolist() if isinstance(e, torch.Tensor) else e for e in entries]
+
+
 def _rows():
     return torch.arange(PROMPT_LEN * WIDTH, dtype=torch.float32).view(PROMPT_LEN, -1)
 
@@ -77,14 +83,14 @@ class TestChunkedPrefillHiddenStates(CustomTestCase):
             with self.subTest(chunks=chunks):
                 req, rows = _req(), _rows()
                 _prefill(req, rows, chunks)
-                self.assertEqual(req.hidden_states, [rows.tolist()])
+                self.assertEqual(_values(req.hidden_states), [rows.tolist()])
 
     def test_last_mode_returns_the_prompts_last_row(self):
         for capture in (CaptureHiddenMode.FULL, CaptureHiddenMode.LAST):
             with self.subTest(capture=capture):
                 req, rows = _req("last"), _rows()
                 _prefill(req, rows, (8, 8, 3), capture)
-                self.assertEqual(req.hidden_states, [rows[-1].tolist()])
+                self.assertEqual(_values(req.hidden_states), [rows[-1].tolist()])
 
     def test_retraction_starts_the_prompt_over(self):
         req, rows = _req(), _rows()
@@ -92,7 +98,7 @@ class TestChunkedPrefillHiddenStates(CustomTestCase):
         req.reset_for_retract()
         req.is_retracted = False
         _prefill(req, rows, (8, 8, 3))
-        self.assertEqual(req.hidden_states, [rows.tolist()])
+        self.assertEqual(_values(req.hidden_states), [rows.tolist()])
 
     def test_abort_between_chunks_returns_nothing(self):
         req, rows = _req(), _rows()
