@@ -96,7 +96,8 @@ def read(directory: Path, base_label: str) -> Target:
     family = find_family(config, base_label, directory)
     text = _text(config)
     try:
-        layers = int(text["num_hidden_layers"])
+        # NemotronH counts its layers by their block types.
+        layers = int(text.get("num_hidden_layers") or len(text["layers_block_type"]))
         hidden = int(text["hidden_size"])
     except (KeyError, TypeError, ValueError):
         raise HarnessError(f"doctor: target {directory}/config.json: no num_hidden_layers / hidden_size "
@@ -114,7 +115,9 @@ def shrunk_config(target: Target) -> dict[str, Any]:
     the target's depth: see the module docstring."""
     tiny = copy.deepcopy(target.family.config())
     t_tiny, t_src = _text(tiny), target.text_config
-    tiny_layers = int(t_tiny["num_hidden_layers"])
+    tiny_layers = int(t_tiny.get("num_hidden_layers") or len(t_tiny["layers_block_type"]))
+    if "num_hidden_layers" in t_tiny or "num_hidden_layers" in t_src:
+        t_tiny["num_hidden_layers"] = target.layers
     for key in DEPTH_SCALARS:
         if key in t_src:
             t_tiny[key] = copy.deepcopy(t_src[key])

@@ -83,16 +83,27 @@ CONFIG_FIELDS: dict[str, dict[str, Any]] = {
 # qwen3_next: the radix cache of a Mamba model needs extra_buffer, which SGLang allows
 # on cuda, musa, npu, hip and xpu only (arg_groups/mamba_hook.py:101-121); no_buffer
 # (no prefix cache for it) needs the overlap schedule off.
+# lfm2, lfm2_moe: SGLang refuses the triton backend for them (arg_groups/model_hook.py:
+# 719, "the first layer might not be an attention layer"), so torch_native for their
+# attention layers; their short-convolution caches are Mamba-style caches, whose radix
+# cache needs what qwen3_next's does (below).
+_SHORT_CONV = {"attention_backend": "torch_native", "mamba_radix_cache_strategy": "no_buffer",
+               "disable_overlap_schedule": True}
 ENGINE_ARGS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"moe_runner_backend": "triton"},
+    "lfm2": _SHORT_CONV,
+    "lfm2_moe": _SHORT_CONV,
     "llama4": {"disable_hybrid_swa_memory": True},
     "qwen3_next": {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True},
 }
 # Families whose Engine here has no prefix cache (ENGINE_ARGS), and why.
+_NO_MAMBA_RADIX = ("no radix cache for a Mamba model on the CPU: SGLang allows its extra_buffer "
+                   "strategy only on cuda, musa, npu, hip and xpu (arg_groups/mamba_hook.py:101-121), "
+                   "and no_buffer caches no prefix")
 NO_PREFIX_CACHE = {
-    "qwen3_next": "no radix cache for a Mamba model on the CPU: SGLang allows its extra_buffer "
-                  "strategy only on cuda, musa, npu, hip and xpu (arg_groups/mamba_hook.py:101-121), "
-                  "and no_buffer caches no prefix",
+    "qwen3_next": _NO_MAMBA_RADIX,
+    "lfm2": _NO_MAMBA_RADIX,
+    "lfm2_moe": _NO_MAMBA_RADIX,
 }
 
 
@@ -150,7 +161,9 @@ def make_checkpoint(family_name: str, directory: Path) -> Checkpoint:
     model = reference.make_checkpoint(family(family_name), directory)
     config = json.loads((directory / "config.json").read_text())
     text = config.get("text_config", config)
-    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
+    # NemotronH counts its layers by their block types.
+    layers = (config.get("num_hidden_layers") or text.get("num_hidden_layers")
+              or len(text.get("layers_block_type") or ()))
     perturbed = tuple(reference.one_dimensional(model))
     return Checkpoint(directory, int(layers), int(text["hidden_size"]), model, perturbed)
 
@@ -424,6 +437,9 @@ POST_NORM_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gp
                       "glm4_moe", "qwen3_next")
 TP2_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "glm4_moe")
 DFLASH_FAMILIES = ("llama", "qwen3_moe", "gpt_oss")
+# The families with a DFlash setter only (the model runner refuses EAGLE3 for them), in
+# the DFLASH convention alone.
+DFLASH_ONLY_FAMILIES = ("laguna", "lfm2", "lfm2_moe")
 # The DSPARK convention once, with post_norm (the capture-only path resolves it from the
 # server argument with is_dspark set; no served family has a DSpark setter of its own).
 DSPARK_CASES = (FeatureCase("llama", "post_norm", method="DSPARK"),)
@@ -438,6 +454,6 @@ FEATURE_CASES = tuple(
     [FeatureCase(f, capture) for f in FAMILIES for capture in CAPTURES
      if capture == "pre_norm" or f in POST_NORM_FAMILIES]
     + [FeatureCase(f, "pre_norm", tp=2) for f in TP2_FAMILIES]
-    + [FeatureCase(f, "pre_norm", method="DFLASH") for f in DFLASH_FAMILIES]
+    + [FeatureCase(f, "pre_norm", method="DFLASH") for f in DFLASH_FAMILIES + DFLASH_ONLY_FAMILIES]
     + list(DSPARK_CASES)
 )
