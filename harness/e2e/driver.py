@@ -14,7 +14,7 @@ which sends one JSON command a line on fd R and reads one JSON answer a line on 
   true`` only their row count, width and a digest of their float32 bytes: the benchmark's;
   with ``"raw_hidden_states": true`` the Engine is asked for one tensor per request,
   ``return_raw_hidden_states``, handed back as ``hidden_states_raw``: its dtype, shape
-  and bytes in base64)
+  and bytes in base64; ``"image_data": [path | null, ...]``: an image per request)
 - ``{"op": "flush"}``: the Engine's ``flush_cache()`` (an empty radix cache, as after start)
 - ``{"op": "rss"}`` -> the largest peak RSS (``VmHWM``) among the Engine's processes
 - ``{"op": "pause"}`` / ``{"op": "resume"}``: SIGSTOP / SIGCONT the Engine's processes (an
@@ -230,6 +230,14 @@ class Driver:
 
         self.sgl = sglang
         self.engine_module = engine_module
+        # The tokenizer manager runs in this process and imports every multimodal
+        # processor; Qwen3-VL's (multimodal/processors/qwen_vl.py) imports models/
+        # qwen3_5.py, which binds four sgl-kernel CPU ops at import (0.5.23
+        # qwen3_5.py:283-298): without their CPU versions the import fails and
+        # Qwen3-VL's Engine stops with "No processor registered".
+        from harness.standins.cpu_kernels import qwen3_5 as qwen3_5_ops
+
+        qwen3_5_ops.install()
         self.engine = None
         self.name = None
         self.env_keys: list[str] = []
@@ -270,7 +278,7 @@ class Driver:
 
     def generate(self, prompt: Any, sampling: dict[str, Any], input_ids: Any = None,
                  return_hidden_states: bool = False, hidden_summary: bool = False,
-                 raw_hidden_states: bool = False) -> dict[str, Any]:
+                 raw_hidden_states: bool = False, image_data: Any = None) -> dict[str, Any]:
         """One ``Engine.generate``: text ``prompt`` or token ``input_ids`` (one request
         or a list); with ``return_hidden_states`` each output keeps its
         ``meta_info["hidden_states"]`` (``hidden_summary``: its ``hidden_summary``;
@@ -287,6 +295,8 @@ class Driver:
             kwargs["return_hidden_states"] = True
         if raw_hidden_states:
             kwargs["return_raw_hidden_states"] = True
+        if image_data is not None:
+            kwargs["image_data"] = image_data
         out = self.engine.generate(**kwargs)
         elapsed = time.monotonic() - t0
         outs = out if isinstance(out, list) else [out]
@@ -381,7 +391,7 @@ def _serve(cmd_fd: int, resp_fd: int) -> int:
             elif op == "generate":
                 result = driver.generate(cmd.get("prompt"), cmd["sampling"], cmd.get("input_ids"),
                                          bool(cmd.get("return_hidden_states")), bool(cmd.get("hidden_summary")),
-                                         bool(cmd.get("raw_hidden_states")))
+                                         bool(cmd.get("raw_hidden_states")), cmd.get("image_data"))
             elif op == "flush":
                 result = driver.flush()
             elif op == "rss":

@@ -287,13 +287,14 @@ class Session:
     def generate(self, prompt: str | list[str] | None, sampling: dict[str, Any] | list[dict[str, Any]],
                  timeout: float = GENERATE_TIMEOUT, *, input_ids: list | None = None,
                  return_hidden_states: bool = False, hidden_summary: bool = False,
-                 raw_hidden_states: bool = False) -> list[dict[str, Any]]:
+                 raw_hidden_states: bool = False, image_data: list | None = None) -> list[dict[str, Any]]:
         """One ``Engine.generate`` of ``prompt`` (text) or ``input_ids`` (tokens; one
         request or a list of them; ``sampling`` one for all or one each), each output's
         ``meta_info["hidden_states"]`` kept with ``return_hidden_states`` (with
         ``hidden_summary``: only ``hidden_rows``, ``hidden_width`` and ``hidden_sha256``;
         ``raw_hidden_states``: asked for as one tensor per request, kept as
-        ``hidden_states_raw``, ``harness.e2e.driver.raw_record``).
+        ``hidden_states_raw``, ``harness.e2e.driver.raw_record``). ``image_data``: one image
+        path (or None) per request, as ``Engine.generate`` takes it.
         ``last_generate_s``: the driver's wall time of the ``Engine.generate`` call."""
         if self.current is None:
             raise EngineError("no engine is running")
@@ -306,6 +307,8 @@ class Session:
             cmd["hidden_summary"] = True
         if raw_hidden_states:
             cmd["return_hidden_states"] = cmd["raw_hidden_states"] = True
+        if image_data is not None:
+            cmd["image_data"] = image_data
         answer = self._call(cmd, timeout, "generate")
         self.last_generate_s = float(answer.get("generate_s", 0.0))
         self.timings.append((self.current.key, "generate", self.last_generate_s))

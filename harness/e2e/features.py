@@ -93,6 +93,10 @@ ENGINE_ARGS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"moe_runner_backend": "triton"},
     "lfm2": _SHORT_CONV,
     "lfm2_moe": _SHORT_CONV,
+    # qwen3_5: a hybrid GDN model with qwen3_next's radix settings; qwen3_vl*: the parity
+    # family's torch_native (its tower defaults to sdpa on the CPU, layers/attention/
+    # vision.py:1324-1329).
+    "qwen3_5": {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True},
     "llama4": {"disable_hybrid_swa_memory": True},
     "qwen3_next": {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True},
 }
@@ -102,19 +106,46 @@ _NO_MAMBA_RADIX = ("no radix cache for a Mamba model on the CPU: SGLang allows i
                    "and no_buffer caches no prefix")
 NO_PREFIX_CACHE = {
     "qwen3_next": _NO_MAMBA_RADIX,
+    "qwen3_5": _NO_MAMBA_RADIX,
     "lfm2": _NO_MAMBA_RADIX,
     "lfm2_moe": _NO_MAMBA_RADIX,
 }
 
 
+# The multimodal families, served with images (harness.e2e.multimodal: a tiny processor
+# beside the checkpoint): their config changes, on top of the parity family's.
+# qwen3_vl*: a 3-block tower, each block's features a deepstack into decoder layers 0-2,
+# and Qwen's special tokens inside the vocabulary (harness.doctor.cases); qwen3_5*: the
+# same tokens; gemma4: image tokens attend each other in its sliding layers
+# (use_bidirectional_attention "vision", what SGLang's gemma4_mm.py does in every layer:
+# see GEMMA4_IMAGE_ROWS) and a window longer than every sequence (the triton decode
+# window, TRITON_DECODE_WINDOW).
+MULTIMODAL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "gemma4")
+
+
+def _multimodal_config(name: str, cfg: dict) -> dict:
+    from harness.doctor.cases import VL_TOKENS, VL_VISION
+
+    if name.startswith("qwen3_vl"):
+        return {**cfg, "vision_config": {**cfg["vision_config"], **VL_VISION}, **VL_TOKENS}
+    if name.startswith("qwen3_5"):
+        return {**cfg, **VL_TOKENS}
+    if name.startswith("gemma4"):
+        return {**cfg, "text_config": {**cfg["text_config"], "use_bidirectional_attention": "vision",
+                                       "sliding_window": 128}}
+    return cfg
+
+
 def family(name: str):
-    """The parity tier's family ``name``, with this tier's ``CONFIG_FIELDS``."""
+    """The parity tier's family ``name``, with this tier's ``CONFIG_FIELDS`` (and, for a
+    multimodal family, ``_multimodal_config``)."""
     from harness.parity.families import families
 
     fam = families()[name]
     fields = CONFIG_FIELDS.get(name)
-    if fields:
-        fam = dataclasses.replace(fam, config=lambda: {**families()[name].config(), **fields})
+    if fields or name in MULTIMODAL:
+        fam = dataclasses.replace(fam, config=lambda: _multimodal_config(
+            name, {**families()[name].config(), **(fields or {})}))
     return fam
 
 
@@ -130,11 +161,19 @@ class FeatureCase:
     # configure_aux_hidden_state_capture with is_dspark); all read id j as
     # hidden_states[j + 1].
     method: str = "EAGLE3"
+    # --speculative-deepstack-capture (Qwen3-VL): None leaves it unset (the base's
+    # default: post_deepstack on 0.5.23).
+    deepstack: Optional[str] = None
 
     @property
     def key(self) -> str:
         method = "" if self.method == "EAGLE3" else f"-{self.method.lower()}"
-        return f"{self.family}{method}-{self.capture}" + (f"-tp{self.tp}" if self.tp > 1 else "")
+        deep = f"-{self.deepstack}" if self.deepstack else ""
+        return f"{self.family}{method}-{self.capture}{deep}" + (f"-tp{self.tp}" if self.tp > 1 else "")
+
+    @property
+    def multimodal(self) -> bool:
+        return self.family in MULTIMODAL
 
     @property
     def attention(self) -> str:
@@ -150,6 +189,7 @@ class Checkpoint:
     hidden: int
     model: Any = field(compare=False, repr=False)  # the transformers model (float32, eval)
     perturbed: tuple[str, ...] = ()
+    image: Optional[Path] = None   # a multimodal family's requests' image
 
 
 def make_checkpoint(family_name: str, directory: Path) -> Checkpoint:
@@ -159,13 +199,19 @@ def make_checkpoint(family_name: str, directory: Path) -> Checkpoint:
     from harness.parity import reference
 
     model = reference.make_checkpoint(family(family_name), directory)
+    image = None
+    if family_name in MULTIMODAL:
+        from harness.e2e import multimodal
+
+        multimodal.save_processor(family_name, directory)
+        image = multimodal.save_image(directory / "image.png")
     config = json.loads((directory / "config.json").read_text())
     text = config.get("text_config", config)
     # NemotronH counts its layers by their block types.
     layers = (config.get("num_hidden_layers") or text.get("num_hidden_layers")
               or len(text.get("layers_block_type") or ()))
     perturbed = tuple(reference.one_dimensional(model))
-    return Checkpoint(directory, int(layers), int(text["hidden_size"]), model, perturbed)
+    return Checkpoint(directory, int(layers), int(text["hidden_size"]), model, perturbed, image)
 
 
 def layer_ids(layers: int) -> tuple[int, ...]:
@@ -175,8 +221,11 @@ def layer_ids(layers: int) -> tuple[int, ...]:
     return (1, layers // 2, layers - 1) if layers > 3 else (0, 1, layers - 1)
 
 
-def requests(seed: int = 3) -> dict[str, list[list[int]]]:
-    """The prompts of each stage, by name (token ids)."""
+def requests(seed: int = 3, image: Sequence[int] = (), chunked_image: bool = True) -> dict[str, list[list[int]]]:
+    """The prompts of each stage, by name (token ids). ``image``: a multimodal family's
+    placeholder of one image, put into the first mixed prompt after its first
+    ``SHARED`` tokens (so the cached prompt shares text alone with it) and, with
+    ``chunked_image``, into the chunked prompt (whose image then spans a chunk boundary)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -187,7 +236,16 @@ def requests(seed: int = 3) -> dict[str, list[list[int]]]:
     mixed = [draw(n) for n in MIXED_LENGTHS]
     chunked = [draw(CHUNKED_LENGTH)]
     cached = [mixed[0][:SHARED] + draw(CACHED_TAIL)]
+    if image:
+        mixed[0] = mixed[0][:SHARED] + list(image) + mixed[0][SHARED:]
+        if chunked_image:
+            chunked[0] = chunked[0][:CHUNK - 2] + list(image) + chunked[0][CHUNK - 2:]
     return {"mixed": mixed, "chunked": chunked, "cached": cached}
+
+
+def has_image(prompt: Sequence[int], image: Sequence[int]) -> bool:
+    n = len(image)
+    return bool(image) and any(list(prompt[i:i + n]) == list(image) for i in range(len(prompt) - n + 1))
 
 
 def engine_config(case: FeatureCase, ckpt: Checkpoint) -> EngineConfig:
@@ -202,6 +260,8 @@ def engine_config(case: FeatureCase, ckpt: Checkpoint) -> EngineConfig:
     )
     if case.capture != "pre_norm":
         extra["speculative_final_layer_capture"] = case.capture
+    if case.deepstack:
+        extra["speculative_deepstack_capture"] = case.deepstack
     env: dict[str, str] = {}
     if case.tp > 1:
         extra["tp_size"] = case.tp
@@ -227,6 +287,11 @@ class Request:
     # (return_raw_hidden_states), or the error that got instead; and its output ids.
     raw: Any = None
     raw_output_ids: Optional[list[int]] = None
+    # A request with an image: the ids sent (one placeholder; ``prompt`` is what SGLang
+    # ran, the placeholder expanded) and what transformers takes for the prompt (its
+    # processor's output: the expanded ids, pixel values, ...).
+    sent: Optional[list[int]] = None
+    hf_inputs: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     @property
     def sequence(self) -> list[int]:
@@ -259,7 +324,8 @@ class FeatureRun:
         """transformers' rows for the whole of ``req.sequence`` (``expected_rows``)."""
         key = id(req)
         if key not in self._expected:
-            self._expected[key] = expected_rows(self.ckpt, self.case.family, req.sequence, self.case.capture)
+            self._expected[key] = expected_rows(self.ckpt, self.case.family, req.sequence, self.case.capture,
+                                                req.hf_inputs, self.case.deepstack)
         return self._expected[key]
 
 
@@ -298,36 +364,78 @@ def compare_rows(got: Any, want: Any, hidden: int, slots: Sequence[str], atol: f
     return "; ".join(parts) or None
 
 
-def expected_rows(ckpt: Checkpoint, family_name: str, sequence: Sequence[int], capture: str) -> Any:
+# The base's deepstack_capture when the server leaves it unset (docs/MODELS.md, "Qwen3-VL
+# deepstack captures"): 0.5.23's inference path, post_deepstack.
+DEEPSTACK_DEFAULT = "post_deepstack"
+# The decoder layers whose output takes a deepstack feature (the tiny tower's three).
+DEEPSTACK_LAYERS = 3
+
+
+def expected_rows(ckpt: Checkpoint, family_name: str, sequence: Sequence[int], capture: str,
+                  inputs: Optional[dict[str, Any]] = None, deepstack: Optional[str] = None) -> Any:
     """transformers' ``[len(sequence), K*H]`` for ``sequence`` under the EAGLE3 ids of
-    ``layer_ids`` (``hf_rows``)."""
+    ``layer_ids`` (``hf_rows``). ``inputs``: the processor's output for a prompt with an
+    image (``sequence`` then holds its expanded ids); on Qwen3-VL the captures next to a
+    deepstack addition are taken after it under ``post_deepstack`` (``deepstack``, or
+    the base's default when unset)."""
+    post = (family_name.startswith("qwen3_vl") and (deepstack or DEEPSTACK_DEFAULT) == "post_deepstack")
     return hf_rows(ckpt.model, sequence, [j + 1 for j in layer_ids(ckpt.layers)], ckpt.layers, capture,
-                   family(family_name).hf_final_norm)
+                   family(family_name).hf_final_norm, inputs=inputs,
+                   entering=range(1, DEEPSTACK_LAYERS + 1) if post else ())
 
 
 def hf_rows(model, sequence: Sequence[int], indices: Sequence[int], layers: int, capture: str,
-            final_norm: str = "model.norm") -> Any:
+            final_norm: str = "model.norm", *, inputs: Optional[dict[str, Any]] = None,
+            entering: Sequence[int] = ()) -> Any:
     """transformers' captures of ``sequence``, ``[len(sequence), K*H]``: per capture index
     ``i`` (EAGLE3 id ``j`` is ``i = j + 1``), ``hidden_states[i]``, the stream entering
     layer ``i``, except ``i == layers`` (the last layer's output) under ``pre_norm``: the
     stream entering the final norm (a pre-hook on ``final_norm``, transformers' module
-    path), not ``hidden_states[L]``, which is after it (``post_norm``)."""
+    path), not ``hidden_states[L]``, which is after it (``post_norm``).
+
+    ``inputs``: a multimodal prompt's processor output (its ``input_ids`` the prompt's
+    part of ``sequence``; the generated tokens are appended as text). ``entering``: the
+    indices whose value is the stream entering decoder layer ``i`` (a forward pre-hook),
+    Qwen3-VL's ``post_deepstack``: ``hidden_states[i]`` plus the deepstack feature of
+    layer ``i - 1`` on image rows (transformers 5 records a layer's output before it)."""
     import functools
 
     import torch
 
     norm = functools.reduce(getattr, final_norm.split("."), model)
+    decoder = functools.reduce(getattr, final_norm.rsplit(".", 1)[0].split("."), model).layers
     seen: list = []
-    handle = norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+    streams: dict[int, Any] = {}
+
+    def take(i):
+        def hook(_m, args, kwargs):
+            streams[i] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+        return hook
+
+    handles = [norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))]
+    handles += [decoder[i].register_forward_pre_hook(take(i), with_kwargs=True) for i in entering]
+    kwargs: dict[str, Any] = {}
+    ids = torch.tensor([list(sequence)])
+    if inputs is not None:
+        prompt = inputs["input_ids"].shape[1]
+        if list(sequence[:prompt]) != inputs["input_ids"][0].tolist():
+            raise RuntimeError("the sequence does not start with the processor's prompt ids")
+        kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "mm_token_type_ids")}
+        if "mm_token_type_ids" in inputs:  # the generated tokens are text
+            types = inputs["mm_token_type_ids"]
+            kwargs["mm_token_type_ids"] = torch.cat(
+                [types, torch.zeros(1, len(sequence) - prompt, dtype=types.dtype)], dim=1)
     try:
         with torch.no_grad():
-            out = model(torch.tensor([list(sequence)]), output_hidden_states=True, use_cache=False)
+            out = model(input_ids=ids, output_hidden_states=True, use_cache=False, **kwargs)
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     if len(seen) != 1:
         raise RuntimeError(f"transformers' {final_norm} ran {len(seen)} times")
     hidden = [h[0] for h in out.hidden_states]
-    slots = [seen[0][0] if i == layers and capture == "pre_norm" else hidden[i] for i in indices]
+    slots = [seen[0][0] if i == layers and capture == "pre_norm" else streams[i][0] if i in streams
+             else hidden[i] for i in indices]
     return torch.cat(slots, dim=-1)
 
 
@@ -356,14 +464,26 @@ class FeatureRuns:
     def _run(self, case: FeatureCase) -> FeatureRun | EngineError:
         ckpt = self.checkpoint(case.family)
         out: list[Request] = []
+        placeholder = ()
+        if case.multimodal:
+            from harness.e2e import multimodal
+
+            placeholder = multimodal.placeholder(case.family)
         try:
             self.session.ensure(engine_config(case, ckpt))
-            for stage, prompts in requests().items():
-                got = self.session.generate(None, SAMPLING, input_ids=prompts, return_hidden_states=True)
+            chunked_image = case.family not in CHUNKED_TEXT_ONLY
+            for stage, prompts in requests(image=placeholder, chunked_image=chunked_image).items():
+                images = [str(ckpt.image) if has_image(p, placeholder) else None for p in prompts]
+                got = self.session.generate(None, SAMPLING, input_ids=prompts, return_hidden_states=True,
+                                            image_data=images if any(images) else None)
                 if len(got) != len(prompts):
                     raise EngineError(f"{case.key}: {len(prompts)} requests of stage {stage} gave {len(got)} outputs")
-                for prompt, o in zip(prompts, got):
-                    out.append(Request(stage, prompt, o["output_ids"], rows_of(o.get("hidden_states")), o["meta"]))
+                for prompt, image, o in zip(prompts, images, got):
+                    req = Request(stage, prompt, o["output_ids"], rows_of(o.get("hidden_states")), o["meta"])
+                    if image is not None:
+                        req.sent, req.hf_inputs = prompt, multimodal.hf_inputs(ckpt.path, prompt, ckpt.image)
+                        req.prompt = req.hf_inputs["input_ids"][0].tolist()
+                    out.append(req)
             if case in RAW_CASES:
                 self._raw_pass(out)
         except EngineError as exc:
@@ -409,7 +529,20 @@ TRITON_DECODE_WINDOW = (
 # "generated", "chunked", "cached". Strict xfails that guard nothing. None today: gpt_oss
 # runs with a window longer than its sequences (CONFIG_FIELDS), where TRITON_DECODE_WINDOW
 # cannot show; the parity tier's gpt_oss_window keeps that bug as its strict xfail.
-KNOWN: dict[tuple[str, str], str] = {}
+GEMMA4_IMAGE_ROWS = (
+    "SGLang 0.5.23's Gemma 4 attends image tokens otherwise than transformers: "
+    "gemma4_mm.py prepare_attn_masks (333-466) makes image tokens bidirectional in every layer "
+    "whatever use_bidirectional_attention says (transformers: only under \"vision\" and only in "
+    "sliding layers, modeling_gemma4.py:2072-2132), and the causal triton extend kernel stops each "
+    "query block's key loop at its own end (kernels/ops/attention/extend_attention.py:719-723), "
+    "cutting that mask; its vision encoder pools padding patches into soft token 0 "
+    "(gemma4_mm.py:202 builds Gemma4VisionEncoder without mask_pad_before_pool). Rows at and "
+    "after an image differ; text-only requests match")
+KNOWN: dict[tuple[str, str], str] = {
+    ("gemma4", "prompt"): GEMMA4_IMAGE_ROWS,
+    ("gemma4", "generated"): GEMMA4_IMAGE_ROWS,
+    ("gemma4", "chunked"): GEMMA4_IMAGE_ROWS,
+}
 
 
 def known_failure(case: FeatureCase, rows: str) -> str | None:
@@ -443,6 +576,23 @@ DFLASH_ONLY_FAMILIES = ("laguna", "lfm2", "lfm2_moe")
 # The DSPARK convention once, with post_norm (the capture-only path resolves it from the
 # server argument with is_dspark set; no served family has a DSpark setter of its own).
 DSPARK_CASES = (FeatureCase("llama", "post_norm", method="DSPARK"),)
+# The multimodal families, each request of their mixed batch and their chunked prompt
+# with an image: Qwen3-VL with the server's deepstack_capture on either side (through the
+# model runner to the model, patch qwen3-vl-deepstack-capture), its MoE with the base's
+# default, Qwen3.5 and Gemma 4.
+MULTIMODAL_CASES = (FeatureCase("qwen3_vl", deepstack="pre_deepstack"),
+                    FeatureCase("qwen3_vl", deepstack="post_deepstack"),
+                    FeatureCase("qwen3_vl_moe"), FeatureCase("qwen3_5"), FeatureCase("gemma4"))
+# Multimodal families whose chunked prompt is text only, and why.
+CHUNKED_TEXT_ONLY = {
+    "qwen3_5": "a Qwen3.5 prompt whose image spans a chunked-prefill boundary stops the scheduler in "
+               "the GDN prefill convolution: gdn_backend.py _convolve_prefill (929-940) hands "
+               "causal_conv1d_fwd_cpu mixed_qkv.transpose(0, 1), which is not [dim, tokens] transposed "
+               "there (the op's check, kept by the CPU stand-in: \"expect x to be transposed\"); the same "
+               "prompt without the image, and the image in an unchunked prompt, run",
+}
+# The patch that adds --speculative-deepstack-capture (0.5.23).
+DEEPSTACK_CAPTURE = "qwen3-vl-deepstack-capture"
 # The configurations whose requests are sent twice, the second time asking for one tensor
 # per request (return_raw_hidden_states, patch return-hidden-states-arrays): both sides
 # of the final norm, TP 2 and MLA, each stage (mixed batch, chunked prompt, cached prefix).
@@ -456,4 +606,5 @@ FEATURE_CASES = tuple(
     + [FeatureCase(f, "pre_norm", tp=2) for f in TP2_FAMILIES]
     + [FeatureCase(f, "pre_norm", method="DFLASH") for f in DFLASH_FAMILIES + DFLASH_ONLY_FAMILIES]
     + list(DSPARK_CASES)
+    + list(MULTIMODAL_CASES)
 )

@@ -148,18 +148,7 @@ class RankPool:
         self._t0 = t0 = time.monotonic()
         self._start_deadline = t0 + start_timeout
         try:
-            for r in range(world_size):
-                parent_conn, child_conn = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=rank_main,
-                    name=f"rank{r}",
-                    args=(r, world_size, child_conn, os.getpid(), self.workdir, init_fn,
-                          self.init_kwargs, backend, child_env),
-                    daemon=False,
-                )
-                proc.start()
-                child_conn.close()
-                self._ranks.append(_Rank(r, proc, parent_conn, pid=proc.pid or 0))
+            _spawn(ctx, self._ranks, world_size, self.workdir, init_fn, self.init_kwargs, backend, child_env)
             _LIVE_POOLS.add(self)
             if wait:
                 self._wait_ready()
@@ -433,6 +422,23 @@ class RankPool:
 # multiprocessing keeps one forkserver per process: a pool that wants other modules
 # preloaded (another mode of SGLang, e.g. the parity tier's CPU engine) spawns instead.
 _FORKSERVER_PRELOAD: tuple[str, ...] | None = None
+
+
+def _spawn(ctx, ranks: list, world_size: int, workdir: str, init_fn: FnSpec | None,
+           init_kwargs: dict[str, Any], backend: str, child_env: dict[str, str]) -> None:
+    """Start ``world_size`` rank processes (``rank_main``), appending each to ``ranks`` as
+    it starts (so the caller can kill the ones started if a later one fails)."""
+    for r in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=rank_main,
+            name=f"rank{r}",
+            args=(r, world_size, child_conn, os.getpid(), workdir, init_fn, init_kwargs, backend, child_env),
+            daemon=False,
+        )
+        proc.start()
+        child_conn.close()
+        ranks.append(_Rank(r, proc, parent_conn, pid=proc.pid or 0))
 
 
 def start_method(backend: str, preload: tuple[str, ...]) -> str:

@@ -58,13 +58,15 @@ def _family_guards(case: FeatureCase) -> list[str]:
         patches = {spec.patch_for(b) for b in wanted if b in bugs} - {None}
     if case.capture == "post_norm":
         patches.add(features.FINAL_LAYER_CAPTURE)
+    if case.deepstack:  # the server argument that patch adds
+        patches.add(features.DEEPSTACK_CAPTURE)
     return sorted(patches)
 
 
 def _path(case: FeatureCase) -> tuple:
-    """What a configuration runs beyond its family: the id convention, the TP size and
-    the side of the final norm."""
-    return case.method, case.tp, case.capture
+    """What a configuration runs beyond its family: the id convention, the TP size, the
+    side of the final norm and of the deepstack addition."""
+    return case.method, case.tp, case.capture, case.deepstack
 
 
 def _engine_guards() -> dict[FeatureCase, frozenset[str]]:
