@@ -247,9 +247,9 @@ def make_deepseek(path: Path, layers: int = 3, seed: int = 0) -> Target:
     return Target(path, "deepseek_v3", layers)
 
 
-def _llama_draft_config(architecture: str, **extra) -> dict:
+def _llama_draft_config(architecture: str, vocab: int = VOCAB, **extra) -> dict:
     return dict(
-        architectures=[architecture], model_type="llama", vocab_size=VOCAB, hidden_size=H,
+        architectures=[architecture], model_type="llama", vocab_size=vocab, hidden_size=H,
         intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM, max_position_embeddings=512, rms_norm_eps=1e-6, hidden_act="silu",
         tie_word_embeddings=False, bos_token_id=tokenizer.BOS, eos_token_id=tokenizer.EOS,
@@ -258,7 +258,9 @@ def _llama_draft_config(architecture: str, **extra) -> dict:
 
 
 def make_eagle3(path: Path, aux_layer_ids: list[int], *, exact: bool, exact_slot: int = -1,
-                seed: int = 1, final_layer_capture: str | None = None, partial: bool = False) -> Path:
+                seed: int = 1, final_layer_capture: str | None = None, partial: bool = False,
+                vocab: int = VOCAB, deepstack_capture: str | None = None,
+                mrope_section: list[int] | None = None) -> Path:
     """An EAGLE3 draft (``LlamaForCausalLMEagle3``, one layer) reading the target layers
     ``aux_layer_ids`` (``eagle_config.eagle_aux_hidden_state_layer_ids``). ``exact``: the
     constructed draft, its ``fc`` passing slot ``exact_slot`` (the one naming the target's
@@ -273,9 +275,13 @@ def make_eagle3(path: Path, aux_layer_ids: list[int], *, exact: bool, exact_slot
     eagle_config = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
     if final_layer_capture is not None:
         eagle_config["final_layer_capture"] = final_layer_capture
+    if deepstack_capture is not None:
+        eagle_config["deepstack_capture"] = deepstack_capture
+    rope = ({"rope_scaling": {"rope_type": "default", "mrope_section": list(mrope_section),
+                              "mrope_interleaved": True}} if mrope_section else {})
     cfg = _llama_draft_config(
-        "LlamaForCausalLMEagle3", num_hidden_layers=1, draft_vocab_size=VOCAB, target_hidden_size=H,
-        eagle_config=eagle_config,
+        "LlamaForCausalLMEagle3", vocab=vocab, num_hidden_layers=1, draft_vocab_size=vocab, target_hidden_size=H,
+        eagle_config=eagle_config, **rope,
     )
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator().manual_seed(seed)
@@ -285,7 +291,7 @@ def make_eagle3(path: Path, aux_layer_ids: list[int], *, exact: bool, exact_slot
 
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     w = {
-        "embed_tokens.weight": rnd(VOCAB, H),
+        "embed_tokens.weight": rnd(vocab, H),
         "fc.weight": rnd(H, k * H),
         "midlayer.hidden_norm.weight": torch.ones(H),
         "midlayer.input_layernorm.weight": torch.ones(H),
@@ -298,7 +304,7 @@ def make_eagle3(path: Path, aux_layer_ids: list[int], *, exact: bool, exact_slot
         "midlayer.mlp.up_proj.weight": rnd(FFN, H),
         "midlayer.mlp.down_proj.weight": rnd(H, FFN),
         "norm.weight": torch.ones(H),
-        "lm_head.weight": rnd(VOCAB, H) * 10,
+        "lm_head.weight": rnd(vocab, H) * 10,
     }
     if exact:
         slot = exact_slot % k

@@ -8,6 +8,9 @@ file) appends one JSON line per event to ``path``:
   ``set_eagle3_layers_to_capture`` / ``set_dflash_layers_to_capture`` (``model_runner``
   calls them) on a model class of the target, and what it left in
   ``model.layers_to_capture``;
+- ``{"event": "deepstack", "model": ..., "value": ...}``: each call of a model's
+  ``set_deepstack_capture`` (Qwen3-VL's language models; the model runner hands it the
+  draft config's or the server's ``deepstack_capture``);
 - ``{"event": "aux", "k": K, "hidden": H, "tokens": T, "last_is_final": bool}``: every
   ``LogitsProcessor`` call that received aux hidden states (list or packed): how many
   captures, of what width, and whether the last one equals the final hidden states it
@@ -43,6 +46,8 @@ SETTER_MODULES = (
     "sglang.srt.models.deepseek_v2",
     "sglang.srt.models.qwen3_moe",
     "sglang.srt.models.gpt_oss",
+    "sglang.srt.models.qwen3_vl",
+    "sglang.srt.models.qwen3_vl_moe",
 )
 DRAFTS = {
     "sglang.srt.models.llama_eagle3": "LlamaModel",
@@ -79,6 +84,14 @@ def _wrap_setters(module) -> None:
 
             wrapper.__harness_probe__ = True
             setattr(cls, setter, wrapper)
+        original = cls.__dict__.get("set_deepstack_capture")
+        if original is not None and not getattr(original, "__harness_probe__", False):
+            def deepstack(self, value, __original=original):
+                _write({"event": "deepstack", "model": type(self).__name__, "value": value})
+                return __original(self, value)
+
+            deepstack.__harness_probe__ = True
+            cls.set_deepstack_capture = deepstack
 
 
 def _wrap_logits_processor(module) -> None:
