@@ -176,11 +176,42 @@ def run_case(checkpoint: str, prompts, tp: int, deepstack, fusions: Sequence[str
                     final, aux = out if isinstance(out, tuple) else (out, None)
                     if aux is not None and not isinstance(aux, torch.Tensor):  # a list
                         aux = torch.cat(list(aux), dim=-1)
-                    results.append({"final": final.detach().clone(), "layers_to_capture": ltc,
-                                    "aux": None if aux is None else aux.detach().clone(), **key})
+                    result = {"final": final.detach().clone(), "layers_to_capture": ltc,
+                              "aux": None if aux is None else aux.detach().clone(), **key}
+                    if setting == "pre_deepstack" and aux is not None:
+                        result["alone"] = _without_each_deepstack(
+                            model, model_config, prompts, tp, flat, fusion, aux.shape[-1])
+                    results.append(result)
                 except Exception:
                     results.append({"error": traceback.format_exc(), **key})
     return results
+
+
+def _without_each_deepstack(model, model_config, prompts, tp, flat, fusion, width):
+    """Per deepstack layer ``j``: the packed captures of a forward whose deepstack for
+    layer ``j`` alone is zero. The output of layer ``j`` does not depend on it, so that
+    forward's capture of index ``j + 1`` is layer ``j``'s output bit for bit, the value
+    a ``pre_deepstack`` capture must hold exactly (a capture that takes the stream
+    after the addition and subtracts the deepstack again is off in the last bits)."""
+    import torch
+
+    from harness.parity import runner
+    from harness.standins.kernels import fusion_mode
+
+    hidden = flat.shape[-1] // DEEPSTACK_LAYERS
+    out = {}
+    for j in range(DEEPSTACK_LAYERS):
+        zeroed = flat.clone()
+        zeroed[:, j * hidden:(j + 1) * hidden] = 0
+        fb = runner.Requests(model, model_config, [len(p) for p in prompts], tp).extend(prompts)
+        with torch.no_grad(), runner._forward_context(fb.attn_backend), fusion_mode(fusion):
+            res = model.model(fb.input_ids, fb.mrope_positions, fb, input_deepstack_embeds=zeroed)
+        aux = res[1]
+        if not isinstance(aux, torch.Tensor):
+            aux = torch.cat(list(aux), dim=-1)
+        assert aux.shape[-1] == width
+        out[j + 1] = aux.detach().clone()
+    return out
 
 
 def run(rank: int, world_size: int, cases: Sequence[dict]) -> list:

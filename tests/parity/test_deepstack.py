@@ -15,8 +15,15 @@ match transformers' language model fed ``visual_pos_masks`` and
   ``post_deepstack``; the other captures hold ``hidden_states[k]``, and the last one the
   stream entering the final norm, in every setting;
 * unset, each base keeps its own release's value: ``pre_deepstack`` on the pin (what
-  its Qwen3-VL loops captured), ``post_deepstack`` on 0.5.23 (its inference path's),
-  on both of 0.5.23's deepstack orders;
+  its Qwen3-VL loops captured); on 0.5.23 each deepstack order's own,
+  ``post_deepstack`` on the inference path and ``pre_deepstack`` on the HF-order path
+  of ``--rl-on-policy-target``;
+* a ``pre_deepstack`` capture is decoder layer ``k - 1``'s output bit for bit: equal
+  to the same capture of a forward whose deepstack for that layer alone is zero (a
+  capture rebuilt from the sum, ``(x + d) - d``, is not). Not asserted for the pin's
+  ``qwen3_vl_moe``: its layers capture inside the fused norm that adds the deepstack
+  (after the all-reduce they defer), and the pin's deepstack-capture patch takes the
+  stream less the deepstack, one rounding from the layer output (``BIT_EQUAL``);
 * the final hidden states equal transformers' output (deepstack neither lost nor added
   once per rank when a layer defers its all-reduce).
 """
@@ -33,8 +40,12 @@ pytestmark = [pytest.mark.bases("0.5.13.post1", "0.5.23"), pytest.mark.parity]
 
 FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 TPS = (1, 2)
-# Per base: the value of an unset deepstack_capture, and the patch that adds the setting.
-DEFAULT_POST = {"0.5.13.post1": False, "0.5.23": True}
+# Per base and deepstack order: the value of an unset deepstack_capture (the release's:
+# 0.5.23's inference path captured after the addition, its HF-order path before it).
+DEFAULT_POST = {("0.5.13.post1", "inference"): False, ("0.5.23", "inference"): True,
+                ("0.5.23", "hf"): False}
+# Per base: the families whose pre_deepstack capture is the layer output bit for bit.
+BIT_EQUAL = {"0.5.13.post1": ("qwen3_vl",), "0.5.23": FAMILIES}
 SETTING_PATCH = {"0.5.13.post1": "deepstack-capture-setting",
                  "0.5.23": "qwen3-vl-deepstack-capture"}
 
@@ -60,8 +71,8 @@ def _guards(name: str, tp: int, fusion: str, order: str, setting) -> list:
       deepstack where a layer deferred its all-reduce (TP > 1, fused), and since
       models-capture-after-allreduce its captures held it at every TP; the case of an
       unset setting shows it.
-    * The setting's own patch: an explicit setting (no such setting without it), and on
-      0.5.23 the unset one on the HF-order path (pristine captures its other side).
+    * The setting's own patch: an explicit setting (no such setting without it). Unset,
+      each order keeps the release's value, which pristine gives too.
     """
     from harness.standins.models import specs
 
@@ -72,7 +83,7 @@ def _guards(name: str, tp: int, fusion: str, order: str, setting) -> list:
             and "V" in spec.bugs() and spec.patch_for("V") is not None
             and name == "qwen3_vl_moe"):
         out.append(spec.patch_for("V"))
-    if setting is not None or (label == "0.5.23" and order == "hf"):
+    if setting is not None:
         out.append(SETTING_PATCH[label])
     return [pytest.mark.guards(p) for p in out]
 
@@ -161,13 +172,15 @@ def _close(got, want, what, rank, atol):
 @pytest.mark.parametrize("name, tp, fusion, order, setting", list(_params()))
 def test_deepstack_captures_and_output(rank_pool, deepstack_refs, name, tp, fusion, order,
                                        setting):
+    import torch
+
     fam = families()[name]
     per_rank = _results(rank_pool, deepstack_refs, name, tp, fusion, order, setting)
     ref = deepstack_refs[name]["ref"]
     feats = deepstack_refs[name]["deepstack"]
     L = ref["num_layers"]
     hidden = ref["final"].shape[-1]
-    post = DEFAULT_POST[_label()] if setting is None else setting == "post_deepstack"
+    post = DEFAULT_POST[(_label(), order)] if setting is None else setting == "post_deepstack"
     side = "post_deepstack" if post else "pre_deepstack"
     for r, res in enumerate(per_rank):
         ltc = res["layers_to_capture"]
@@ -184,6 +197,15 @@ def test_deepstack_captures_and_output(rank_pool, deepstack_refs, name, tp, fusi
             _close(aux[:, k * hidden:(k + 1) * hidden],
                    deepstack.expected(ref, feats, index, post), what, r, fam.atol)
         _close(res["final"], ref["final"], "final hidden states", r, fam.atol)
+        alone_of = res.get("alone", {}) if name in BIT_EQUAL[_label()] else {}
+        for index, alone in alone_of.items():
+            k = ltc.index(index)
+            got, want = (t[:, k * hidden:(k + 1) * hidden] for t in (aux, alone))
+            assert torch.equal(got, want), (
+                f"rank {r}: pre_deepstack capture {k} (index {index}) is not decoder layer "
+                f"{index - 1}'s output bit for bit: max abs diff "
+                f"{float((got - want).abs().max()):.3g} from the same capture with its "
+                f"deepstack zero")
 
 
 def test_reference_sides_differ(deepstack_refs):

@@ -6,9 +6,12 @@ capture of index k <= 3 is taken next to that addition. The inference path
 adds them to the layer output and captures the stream entering the next layer
 (deepstack included); the HF-order path (use_hf_deepstack_order, under
 --rl-on-policy-target) passes them as post_residual_addition and its boundary
-captures before the read adds them. ``deepstack_capture`` ("post_deepstack",
-the default, or "pre_deepstack") makes both orders capture the side it names,
-and comes from --speculative-deepstack-capture or the draft config.
+captures before the read adds them. Unset, each order keeps its own side
+(the inference path "post_deepstack", the HF-order path "pre_deepstack");
+``deepstack_capture`` makes both orders capture the side it names, and comes
+from --speculative-deepstack-capture or the draft config. A "pre_deepstack"
+capture on the inference path is taken before the addition, so it is the
+layer's output bit for bit, not the sum with the deepstack subtracted again.
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
 norm are small stand-ins on the real residual stream
@@ -166,9 +169,9 @@ def _configure(model, deepstack_capture):
 
 
 class TestQwen3VLDeepstackCapture(CustomTestCase):
-    def _check(self, setting, post):
+    def _check(self, setting, post, orders=(False, True)):
         for model_cls, wrapper_cls in FAMILY:
-            for hf_order in (False, True):
+            for hf_order in orders:
                 with self.subTest(
                     model=model_cls.__name__, hf_order=hf_order, setting=setting
                 ):
@@ -183,14 +186,43 @@ class TestQwen3VLDeepstackCapture(CustomTestCase):
                         _expected(embeds, deepstack, post),
                     )
 
-    def test_unset_takes_the_stream_entering_each_layer_on_both_orders(self):
-        self._check(None, post=True)
+    def test_unset_keeps_each_order_its_own_side(self):
+        for hf_order in (False, True):
+            self._check(None, post=not hf_order, orders=(hf_order,))
 
     def test_post_deepstack_on_both_orders(self):
         self._check("post_deepstack", post=True)
 
     def test_pre_deepstack_takes_the_previous_layer_output_on_both_orders(self):
         self._check("pre_deepstack", post=False)
+
+    def test_pre_deepstack_is_the_layer_output_bit_for_bit(self):
+        # Layer j's output does not depend on its own deepstack: the capture after it
+        # must equal, bit for bit, that of a forward whose deepstack j alone is zero.
+        # Large deepstack values make (x + d) - d differ from x in the last bits.
+        for dtype in (torch.bfloat16, torch.float32):
+            for model_cls, wrapper_cls in FAMILY:
+                for hf_order in (False, True):
+                    with self.subTest(
+                        model=model_cls.__name__, hf_order=hf_order, dtype=dtype
+                    ):
+                        torch.manual_seed(1)
+                        embeds = torch.randn(TOKENS, HIDDEN).to(dtype)
+                        deepstack = (
+                            torch.randn(TOKENS, NUM_DEEPSTACK * HIDDEN) * 300
+                        ).to(dtype)
+                        model = _model(model_cls, hf_order)
+                        _configure(_wrapper(wrapper_cls, model), "pre_deepstack")
+                        got = _captures(model, embeds.clone(), deepstack)
+                        for j in range(NUM_DEEPSTACK):
+                            zeroed = deepstack.clone()
+                            zeroed[:, j * HIDDEN : (j + 1) * HIDDEN] = 0
+                            alone = _captures(model, embeds.clone(), zeroed)
+                            k = CAPTURED.index(j + 1)
+                            cols = slice(k * HIDDEN, (k + 1) * HIDDEN)
+                            self.assertTrue(
+                                torch.equal(got[:, cols], alone[:, cols]), (j, dtype)
+                            )
 
     def test_text_only_batches_are_unchanged(self):
         for model_cls, _ in FAMILY:
@@ -230,7 +262,7 @@ class TestDeepstackCaptureSetting(CustomTestCase):
         model = _model(Qwen3LLMModel, False)
         with self.assertRaisesRegex(ValueError, "deepstack_capture"):
             model.set_deepstack_capture("PRE_DEEPSTACK")
-        self.assertTrue(model.deepstack_capture_post)
+        self.assertIsNone(model.deepstack_capture_post)
 
     def test_a_model_without_deepstack_logs_that_it_is_ignored(self):
         model = nn.Linear(2, 2)
