@@ -1,54 +1,102 @@
-"""The list path of the aux hidden states is gone on 0.5.23 (aux-hidden-state-list-removed).
+"""The list path of the aux hidden states is deprecated on 0.5.23
+(aux-hidden-state-list-deprecated).
 
-Once every capturing model packs its captures (pipeline stages included), nothing
-creates an ``AuxHiddenStateList``: the patch removes it, the logits processor and the
-eager runner keep only the packed tensor's path, and ``pack_aux_hidden_states`` refuses
-a list instead of concatenating it (which would hold the captures twice). Checked
-against the pristine 0.5.23 logits processor, loaded from the release's verified wheel
-under a module name of its own: its real forward on a list of K captures hands the
-draft what the patched one hands it for the same captures packed, in every pruning
-path, with perturbed, distinct captures and the whole tensors compared; and the EAGLE3
-drafts' real forwards, which the release's hand on as a list of one, against the
-release's own (both drafts, before and after their final norm).
+Once every in-tree capturing model packs its captures (pipeline stages included), the
+logits processor and the gathers work on the packed tensor alone: a list an out-of-tree
+model still returns is packed once where it comes in, as the release packed it, with one
+warning that names the packer, for one release. The EAGLE3 drafts hand their one
+capture on as it is (K = 1 is packed), with no copy, as the release's list of one was
+handed on. Checked against pristine 0.5.23, loaded from the release's verified wheel
+under module names of their own: its ``pack_aux_hidden_states`` and
+``AuxHiddenStateList`` on the same lists; its real logits processor on a list of K
+captures, which must hand the draft what the patched one hands it for the same captures
+packed and as a list, in every pruning path, with perturbed, distinct captures and the
+whole tensors compared; and the EAGLE3 drafts' real forwards against the release's own
+(both drafts, before and after their final norm), down to which tensor is handed on.
 """
 
 from __future__ import annotations
 
+import logging
 import pkgutil
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.bases("0.5.23")
-GUARD = pytest.mark.guards("aux-hidden-state-list-removed")
+GUARD = pytest.mark.guards("aux-hidden-state-list-deprecated")
 
 H, K, V = 16, 3, 64
 LENS = [3, 5, 2]
+AUX_LOGGER = "sglang.srt.layers.aux_hidden_states"
+
+
+@pytest.fixture
+def fresh_warning(monkeypatch, caplog):
+    """The patched module as if nothing had warned yet; its records."""
+    from sglang.srt.layers import aux_hidden_states
+
+    if hasattr(aux_hidden_states, "_list_deprecation_warned"):
+        monkeypatch.setattr(aux_hidden_states, "_list_deprecation_warned", False)
+    caplog.set_level(logging.WARNING, logger=AUX_LOGGER)
+    return lambda: [r.getMessage() for r in caplog.records if r.name == AUX_LOGGER]
+
+
+def _release_aux():
+    from harness.memory.models import pin_aux_module
+
+    return pin_aux_module()
 
 
 @GUARD
-def test_a_list_is_refused_in_one_line_naming_the_packer():
+def test_a_list_packs_as_the_release_packs_it_with_one_warning(fresh_warning):
     from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 
-    caps = [torch.randn(4, H) for _ in range(K)]
-    with pytest.raises(TypeError) as exc:
-        pack_aux_hidden_states(caps)
-    assert "AuxHiddenStatePacker" in str(exc.value) and "\n" not in str(exc.value)
+    release = _release_aux()
+    caps = [torch.randn(4, H) * (j + 1) + j for j in range(K)]
+    got = pack_aux_hidden_states(caps)
+    torch.testing.assert_close(got, release.pack_aux_hidden_states(caps), rtol=0, atol=0)
+    one = [caps[0]]
+    assert pack_aux_hidden_states(one) is release.pack_aux_hidden_states(one) is caps[0]
     packed = torch.cat(caps, dim=-1)
     assert pack_aux_hidden_states(packed) is packed
+    warned = fresh_warning()
+    assert len(warned) == 1, warned
+    assert "AuxHiddenStatePacker" in warned[0] and "\n" not in warned[0]
 
 
 @GUARD
-def test_no_module_of_sglang_srt_names_the_list():
+def test_the_list_collector_still_collects_as_the_release_did(fresh_warning):
+    from sglang.srt.layers import aux_hidden_states
+
+    release = _release_aux()
+    borrowed, owned = torch.randn(4, H), torch.randn(4, H)
+    lists = []
+    for module in (release, aux_hidden_states):
+        collected = module.AuxHiddenStateList()
+        collected.capture(borrowed)
+        collected.capture(owned, owned=True)
+        lists.append(collected)
+    want, got = lists
+    assert isinstance(got, list) and len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # A borrowed value is copied, an owned one adopted, as the release's list does.
+    assert got[0].data_ptr() != borrowed.data_ptr() and got[1] is owned
+    aux_hidden_states.AuxHiddenStateList()
+    assert len(fresh_warning()) == 1
+
+
+@GUARD
+def test_no_in_tree_module_collects_a_list():
     import sglang.srt
     from sglang.srt.layers import aux_hidden_states
 
-    assert not hasattr(aux_hidden_states, "AuxHiddenStateList")
     assert aux_hidden_states.AuxHiddenStateAccumulator is aux_hidden_states.AuxHiddenStatePacker
     root = sglang.srt.__path__[0]
     naming = []
     for info in pkgutil.walk_packages([root], "sglang.srt."):
-        if info.ispkg:
+        if info.ispkg or info.name == aux_hidden_states.__name__:
             continue
         path = f"{root}/{info.name.removeprefix('sglang.srt.').replace('.', '/')}.py"
         try:
@@ -97,7 +145,8 @@ def _metadata(module, case, capture):
                 ), sum(LENS)
 
 
-@GUARD
+# Not a regression test (no guards mark): before the patch, too, the logits processor
+# hands the draft a packed tensor as it hands on a list; this checks the patch keeps it so.
 @pytest.mark.parametrize("capture", ["full", "last"])
 @pytest.mark.parametrize("case", ["decode", "draft-extend", "extend", "extend-logprob"])
 def test_packed_captures_reach_the_draft_as_the_release_hands_on_a_list(processors, case,
@@ -118,9 +167,11 @@ def test_packed_captures_reach_the_draft_as_the_release_hands_on_a_list(processo
     assert want.hidden_states is not None and want.hidden_states.shape[-1] == K * H
     torch.testing.assert_close(got.hidden_states, want.hidden_states, rtol=0, atol=0)
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, rtol=0, atol=0)
-    with pytest.raises(TypeError, match="AuxHiddenStatePacker"), torch.no_grad():
-        patched.LogitsProcessor(_config())(
-            ids, hidden.clone(), head, _metadata(patched, case, capture)[0], caps)
+    with torch.no_grad():  # the deprecated list: what the release hands on
+        listed = patched.LogitsProcessor(_config())(
+            ids, hidden.clone(), head, _metadata(patched, case, capture)[0],
+            [c.clone() for c in caps])
+    torch.testing.assert_close(listed.hidden_states, want.hidden_states, rtol=0, atol=0)
 
 
 def _config():
@@ -167,11 +218,13 @@ def _draft(module, name, norm_output):
 @GUARD
 @pytest.mark.parametrize("norm_output", [False, True], ids=["pre-norm", "norm-output"])
 @pytest.mark.parametrize("name", sorted(DRAFTS))
-def test_eagle3_drafts_pack_what_the_release_concatenated(processors, name, norm_output):
+def test_eagle3_drafts_hand_on_what_the_release_handed_on(processors, name, norm_output):
     """The draft's real forward, then the real logits processor, pristine 0.5.23's
-    (a list of one) and the series' (one packed tensor), on the same inputs: the same
-    capture in storage of its own (the release's ``torch.cat`` copied it), and the same
-    hidden state and logits for the draft's next step."""
+    (a list of one, which its ``pack_aux_hidden_states`` hands on without a copy) and
+    the series' (one tensor), on the same inputs: the tensor handed on is the one the
+    final norm returned in both (no copy: the same storage relation to the draft's
+    hidden states), equal values, and the same hidden state and logits for the draft's
+    next step."""
     import importlib
     import types
 
@@ -190,16 +243,22 @@ def test_eagle3_drafts_pack_what_the_release_concatenated(processors, name, norm
     for module, lp in trees:
         batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE,
                                       spec_info=types.SimpleNamespace(hidden_states=stream.clone()))
+        draft = _draft(module, name, norm_output)
+        normed = []
+        draft.norm.register_forward_hook(lambda m, args, out: normed.append(out))
         with torch.no_grad():
-            hidden, aux = _draft(module, name, norm_output)(None, None, batch,
-                                                            input_embeds=embeds.clone())
+            hidden, aux = draft(None, None, batch, input_embeds=embeds.clone())
+            handed = aux[0] if isinstance(aux, list) else aux
             out = lp.LogitsProcessor(_config())(torch.arange(4), hidden, head,
                                                 _metadata(lp, "decode", "last")[0], aux)
-        runs.append((hidden, aux, out))
-    (_, want_aux, want), (hidden, aux, got) = runs
+        (norm_out,) = normed
+        runs.append((hidden, aux, handed, norm_out[1 if not norm_output else 0], out))
+    (want_hidden, want_aux, want_handed, want_norm, want), (hidden, aux, handed, norm, got) = runs
     assert isinstance(want_aux, list) and len(want_aux) == 1
     assert isinstance(aux, torch.Tensor), type(aux)
-    torch.testing.assert_close(aux, torch.cat(want_aux, dim=-1), rtol=0, atol=0)
-    assert aux.data_ptr() != hidden.data_ptr()
+    assert want_handed is want_norm, "the release hands on the final norm's output itself"
+    assert handed is norm, "the series copies the draft's capture: the release did not"
+    assert (aux.data_ptr() == hidden.data_ptr()) == (want_handed.data_ptr() == want_hidden.data_ptr())
+    torch.testing.assert_close(aux, want_handed, rtol=0, atol=0)
     torch.testing.assert_close(got.hidden_states, want.hidden_states, rtol=0, atol=0)
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, rtol=0, atol=0)

@@ -1,6 +1,6 @@
-# upstream-path: test/registered/unit/models/test_aux_hidden_state_list_removed.py
+# upstream-path: test/registered/unit/models/test_aux_hidden_state_list_deprecated.py
 """Every capturing model packs its aux hidden states, pipeline stages included,
-and the list path is gone.
+and the list path is deprecated.
 
 A list of K captures that the logits processor concatenates holds the captures
 and their concatenation at once (2 x K x T x H). KimiK3LinearModel and
@@ -18,9 +18,10 @@ attention-residual bank path the mixture after layer i is captured, the
 previous stage's last one at the stage's start. A DFlash-family decode CUDA
 graph passes a slice of one shared buffer on the batch
 (aux_hidden_states_buffer), sized by get_aux_hidden_states_width, on every
-stage. The EAGLE3 drafts pack their one capture too (K = 1). With no list
-left, AuxHiddenStateList is removed and pack_aux_hidden_states refuses a list
-instead of concatenating it.
+stage. The EAGLE3 drafts hand their one capture on as it is (K = 1 is packed),
+without a copy. With no list left in the tree, AuxHiddenStateList is deprecated:
+a list an out-of-tree model returns is still concatenated, with one warning
+naming the packer, for one release.
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers, the final read
 and the bank are small stand-ins on the real residual stream
@@ -348,8 +349,8 @@ def _eagle3_draft(norm_output):
     return model
 
 
-class TestEagle3DraftPacks(CustomTestCase):
-    def test_the_draft_hands_on_its_capture_packed(self):
+class TestEagle3DraftHandsOnItsCapture(CustomTestCase):
+    def test_the_draft_hands_on_its_capture_without_a_copy(self):
         for norm_output in (False, True):
             with self.subTest(norm_output=norm_output):
                 stream = torch.randn(TOKENS, HIDDEN)
@@ -357,9 +358,12 @@ class TestEagle3DraftPacks(CustomTestCase):
                 batch = forward_batch(
                     spec_info=types.SimpleNamespace(hidden_states=stream.clone())
                 )
-                hidden, aux = _eagle3_draft(norm_output)(
-                    None, None, batch, input_embeds=embeds
+                model = _eagle3_draft(norm_output)
+                normed = []
+                model.norm.register_forward_hook(
+                    lambda module, args, out: normed.append(out)
                 )
+                hidden, aux = model(None, None, batch, input_embeds=embeds)
                 # The fused add + norm: residual stream + layer output, then halved.
                 pre_norm = 2 * stream + embeds
                 want = pre_norm * 0.5 if norm_output else pre_norm
@@ -367,8 +371,9 @@ class TestEagle3DraftPacks(CustomTestCase):
                 self.assertIs(pack_aux_hidden_states(aux), aux)
                 torch.testing.assert_close(aux, want)
                 torch.testing.assert_close(hidden, pre_norm * 0.5)
-                # Its own buffer, as the concatenation of a list of one was.
-                self.assertNotEqual(aux.data_ptr(), hidden.data_ptr())
+                # K = 1 is packed already: the final norm's output itself.
+                (out,) = normed
+                self.assertIs(aux, out[0] if norm_output else out[1])
 
     def test_an_idle_draft_batch_hands_on_no_tokens(self):
         batch = forward_batch(
@@ -380,20 +385,35 @@ class TestEagle3DraftPacks(CustomTestCase):
         self.assertEqual(tuple(pack_aux_hidden_states(aux).shape), (0, HIDDEN))
 
 
-class TestListPathRemoved(CustomTestCase):
-    def test_the_list_collector_is_gone(self):
-        self.assertFalse(hasattr(aux_hidden_states, "AuxHiddenStateList"))
+class TestListPathDeprecated(CustomTestCase):
+    def setUp(self):
+        aux_hidden_states._list_deprecation_warned = False
+
+    def test_in_tree_models_capture_into_the_packer(self):
         self.assertIs(
             aux_hidden_states.AuxHiddenStateAccumulator,
             aux_hidden_states.AuxHiddenStatePacker,
         )
 
-    def test_pack_hands_on_the_packed_tensor_and_refuses_a_list(self):
+    def test_a_list_is_concatenated_once_with_one_warning(self):
         captures = [torch.randn(TOKENS, HIDDEN) for _ in range(3)]
         packed = torch.cat(captures, dim=-1)
         self.assertIs(pack_aux_hidden_states(packed), packed)
-        with self.assertRaisesRegex(TypeError, "AuxHiddenStatePacker"):
-            pack_aux_hidden_states(captures)
+        with self.assertLogs(aux_hidden_states.logger, "WARNING") as logs:
+            torch.testing.assert_close(pack_aux_hidden_states(captures), packed)
+            self.assertIs(pack_aux_hidden_states(captures[:1]), captures[0])
+        self.assertEqual(len(logs.records), 1)
+        self.assertIn("AuxHiddenStatePacker", logs.records[0].getMessage())
+
+    def test_the_deprecated_list_still_collects(self):
+        borrowed, owned = torch.randn(TOKENS, HIDDEN), torch.randn(TOKENS, HIDDEN)
+        with self.assertLogs(aux_hidden_states.logger, "WARNING"):
+            collected = aux_hidden_states.AuxHiddenStateList()
+        collected.capture(borrowed)
+        collected.capture(owned, owned=True)
+        torch.testing.assert_close(collected[0], borrowed)
+        self.assertNotEqual(collected[0].data_ptr(), borrowed.data_ptr())
+        self.assertIs(collected[1], owned)
 
 
 if __name__ == "__main__":
