@@ -44,7 +44,15 @@ _RELATION = {
         28956: "writes the last layer's capture into its packer where the model packs",
         32206: "overlaps it in qwen3_5.py with the same value (pre-norm); whichever lands "
                "first, the other rebases",
-        39776: "keeps pre-norm as the default; the `post_norm` choice gives what it asked for",
+        39776: "keeps pre-norm, the value gpt_oss already gives (#32334); the `post_norm` "
+               "capture it asked for is a separate PR (`final_layer_capture`)",
+    },
+    # The PR that adds the choice itself.
+    "final-layer-choice": {
+        28956: "writes the `post_norm` capture into its packer where the model packs",
+        32206: "keeps its value (pre-norm) as the default",
+        39776: "gives what it asked for as a choice (`final_layer_capture: post_norm`); "
+               "pre-norm stays the default",
     },
     "gemma3": {
         39286: "overlaps it in gemma3_causal.py; whichever lands first, the other rebases",
@@ -55,8 +63,8 @@ _DEFAULT_RELATION = {
     33444: "independent of the capture handoff it replaces",
 }
 
-FINAL_LAYER_IDS = frozenset({"models-capture-final-layer", "dsv2-capture-final-layer",
-                             "final-layer-capture", "post-norm-ignored-warning"})
+FINAL_LAYER_IDS = frozenset({"models-capture-final-layer", "dsv2-capture-final-layer"})
+FINAL_LAYER_CHOICE_IDS = frozenset({"final-layer-capture", "post-norm-ignored-warning"})
 
 # The series' own trailers, which an upstream body drops.
 INTERNAL_TRAILERS = ("Patch-Id", "Origin", "Forwarded", "Upstream-Status", "Drop-In", "Upstream-Probe")
@@ -99,6 +107,8 @@ def kind(patch_id: str) -> str:
         return "packer"
     if patch_id in FINAL_LAYER_IDS:
         return "final-layer"
+    if patch_id in FINAL_LAYER_CHOICE_IDS:
+        return "final-layer-choice"
     if patch_id.startswith("gemma3-"):
         return "gemma3"
     return "capture"
@@ -107,6 +117,23 @@ def kind(patch_id: str) -> str:
 def relation(patch_id: str, number: int) -> str:
     own = _RELATION.get(kind(patch_id), {})
     return own.get(number) or _DEFAULT_RELATION.get(number) or "independent of it"
+
+
+def thread_lines(patch_id: str) -> list[str]:
+    """The threads this PR has a relation of its own to, as a table, then the others in
+    one line (a table of rows that each say "independent" tells a reviewer nothing)."""
+    own = _RELATION.get(kind(patch_id), {})
+    rows = [(n, state, what) for n, state, what in THREADS if n in own]
+    rest = [f"#{n} ({what})" for n, _, what in THREADS if n not in own]
+    lines: list[str] = []
+    if rows:
+        lines += ["| thread | state | what it is | this PR |", "|---|---|---|---|"]
+        lines += [f"| #{n} | {state} | {what} | {relation(patch_id, n)} |" for n, state, what in rows]
+        lines += [""]
+    if rest:
+        lines += [f"{'Otherwise independent' if rows else 'Independent'} of the other open or recent "
+                  f"work on aux hidden state capture: {'; '.join(rest)}.", ""]
+    return lines
 
 
 def section(body: str, label: str) -> str:
@@ -159,9 +186,8 @@ def base_description(p: Any, release: str, test_path: str, deps: list, stat: str
     own = section(body, "Related")
     if own:
         lines += [own, ""]
-    lines += ["| thread | state | what it is | this PR |", "|---|---|---|---|"]
-    lines += [f"| #{n} | {state} | {what} | {relation(p.id, n)} |" for n, state, what in THREADS]
-    lines += ["", "## Accuracy Tests", "", *_accuracy(p.id), ""]
+    lines += thread_lines(p.id)
+    lines += ["## Accuracy Tests", "", *_accuracy(p.id), ""]
     lines += ["## Benchmarking and Tests", "",
               f"New unit test `{test_path}` (CPU only, `register_cpu_ci`; runs as "
               f"`python3 {test_path}`). On a clean checkout of v{release} "

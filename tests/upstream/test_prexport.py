@@ -229,7 +229,9 @@ def test_bundle_from_base_is_verified_on_pristine_release(tmp_path, monkeypatch)
     assert heads == ["## Motivation", "## Modifications", "## Related", "## Accuracy Tests",
                      "## Benchmarking and Tests", "## Checklist"]
     assert "\n\nOff by one." in desc and "Bug:" not in desc and "Return 42." in desc
-    assert all(f"| #{n} |" in desc for n, _, _ in THREADS)
+    # a capture PR of no kind of its own: the threads it relates to by default in one
+    # line, not a table of "independent" rows
+    assert all(f"#{n} (" in desc for n, _, _ in THREADS) and "| thread |" not in desc
     assert fork_markers(desc) == []
     # and it applies to a pristine checkout of the release
     check = tmp_path / "check"
@@ -554,3 +556,20 @@ def test_a_bundle_text_keeps_its_tables_line_by_line():
     assert all(len(line) <= 72 for line in prose.splitlines()) and "\n" in prose
     assert table.splitlines() == ["| stage | before | after |", "| --- | ---: | ---: |",
                                   "| first | 112 MiB | 56 MiB |"]
+
+
+def test_thread_table_holds_the_threads_a_pr_relates_to():
+    """A packer PR tabulates its own relations (#28956, #40159, #33444) and names the
+    rest in one line; the final-layer PR keeps pre-norm and leaves #39776's post-norm
+    capture to the PR that adds the choice, which gives it."""
+    from harness.upstream.prbody import thread_lines
+
+    packer = "\n".join(thread_lines("gemma4-aux-packer"))
+    assert "| #28956 |" in packer and "| #33444 |" in packer and "| #32206 |" not in packer
+    assert "Otherwise independent" in packer and "#32206 (" in packer
+    final = "\n".join(thread_lines("models-capture-final-layer"))
+    row = next(x for x in final.splitlines() if x.startswith("| #39776 |"))
+    assert "separate PR" in row and "gives what it asked for" not in row
+    choice = "\n".join(thread_lines("final-layer-capture"))
+    row = next(x for x in choice.splitlines() if x.startswith("| #39776 |"))
+    assert "gives what it asked for" in row
