@@ -98,3 +98,29 @@ def export_commit(tree: Path, commit: str, paths: str, dest: Path) -> Path:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     stamp.write_text(commit)
     return dest
+
+
+def replay_tree(tree: Path, onto: str, commits: list[str], index_file: Path) -> tuple[str | None, str]:
+    """The tree of ``onto`` with each of ``commits``' own changes applied on it in order,
+    exactly as ``git am`` would take them (``git apply --cached``: no fuzz, no three-way
+    merge), in a scratch index (``index_file``; the work tree and its index are not
+    touched). Returns ``(tree id, "")``, or ``(None, why)`` naming the first commit that
+    does not apply and git's first error line (the file it could not patch)."""
+    env = {"GIT_INDEX_FILE": str(index_file)}
+    try:
+        git(tree, "read-tree", onto, env=env)
+        for commit in commits:
+            diff = git(tree, "diff-tree", "-p", "--binary", "--full-index", f"{commit}~1", commit).stdout
+            cmd = ["git"]
+            for c in GIT_CONFIG:
+                cmd += ["-c", c]
+            proc = subprocess.run(cmd + ["apply", "--cached", "-"], cwd=tree, env=git_env(env),
+                                  input=diff, capture_output=True, text=True)
+            if proc.returncode != 0:
+                subject = git(tree, "log", "-1", "--format=%s", commit).stdout.strip()
+                lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+                first = next((x for x in lines if x.startswith("error:")), lines[0] if lines else "")
+                return None, f"{subject!r} does not apply without it ({first.removeprefix('error: ')})"
+        return git(tree, "write-tree", env=env).stdout.strip(), ""
+    finally:
+        index_file.unlink(missing_ok=True)

@@ -1,10 +1,15 @@
 """``ablation``: every regression test must fail without its patch and pass with it.
 
 For each patch P of the series (by its ``Patch-Id`` trailer), the tests marked
-``@pytest.mark.guards("P")`` run against the SGLang tree with P and every patch
-after it left out (the tree at the commit just before P in build/sglang), then
-against the full series (the installed patched wheel). The run fails when a test
-passes without its patch, fails with it, or when a patch has no regression test.
+``@pytest.mark.guards("P")`` run against the SGLang tree without P, then against the
+full series (the installed patched wheel). Without P means P alone left out, every
+other patch applied, where each later patch still applies exactly without it; where
+one does not, P and every patch after it (the tree at the commit just before P in
+build/sglang), and the report says which later patch needs P's lines, in which file.
+The run fails when a test passes without its patch, fails with it, or when a patch has
+no regression test. Each failure without the patch is reported as one on behaviour (a
+value, an error of the code under test) or on import (a name the tree lacks: the test
+stopped at the API), with both counts.
 
 The runs are independent (each its own pytest process on its own tree), so they go
 two at a time on two cores or more (``--jobs``), each with the cores shared out
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import HarnessError
-from harness.patchset.git import export_commit, git
+from harness.patchset.git import export_commit, git, replay_tree
 from harness.patchset.layout import layout
 from harness.patchset.series import patch_message, read_series
 
@@ -79,17 +84,44 @@ def _patch_ids(lay) -> list[tuple[str, str]]:
     return out
 
 
-def _variant_tree(lay, index: int, pid: str) -> Path:
-    """The tree with patches [index:] left out, as a plain source dir."""
+def _variant_tree(lay, index: int, pid: str) -> tuple[Path, str]:
+    """The tree without patch ``index`` (0-based in the series), as a plain source dir,
+    and how it was cut. Only that patch is left out where every later patch still
+    applies without it, exactly (``replay_tree``); otherwise the patch and every patch
+    after it (the tree at the commit just before it), with the reason: the later patch
+    that needs its lines, and the file."""
     tree = lay.tree
     if not (tree / ".git").exists():
         raise HarnessError(f"{lay.rel(tree)} is missing: run `make apply-patches` first")
     commits = git(tree, "rev-list", "--reverse", "--first-parent", "HEAD").stdout.split()
     # commits[0] is the pristine pin; commits[i] has patches 1..i
-    if len(commits) < index + 1:
+    if len(commits) < index + 2:
         raise HarnessError(f"{lay.rel(tree)} has {len(commits) - 1} patch commits; run `make apply-patches`")
-    commit = commits[index]
-    return export_commit(tree, commit, "python", lay.ablation / f"without-{pid}") / "python"
+    later = commits[index + 2:]
+    dest = lay.ablation / f"without-{pid}"
+    if later:
+        lay.ablation.mkdir(parents=True, exist_ok=True)
+        treeish, why = replay_tree(tree, commits[index], later, lay.ablation / f".index-{pid}")
+        if treeish is not None:
+            return export_commit(tree, treeish, "python", dest) / "python", "alone"
+        cut = f"with the {len(later)} patch(es) after it: {why}"
+    else:
+        cut = "alone (the last patch)"
+    return export_commit(tree, commits[index], "python", dest) / "python", cut
+
+
+# A failure that stops at SGLang's API (a name the tree without the patch lacks) rather
+# than at a value: the test could not reach the behaviour it guards.
+_IMPORT_FAILURES = ("ImportError", "ModuleNotFoundError", "cannot import name",
+                    "has no attribute", "unexpected keyword argument")
+
+
+def failure_kind(status: str, reason: str) -> str:
+    """``import`` where a failed test stopped at a missing name, ``behaviour`` where it
+    got to a value or an error of the code under test; "" where it did not fail."""
+    if status not in ("failed", "error"):
+        return ""
+    return "import" if any(m in reason for m in _IMPORT_FAILURES) else "behaviour"
 
 
 class _Run:
@@ -261,9 +293,12 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     # The full series first: it runs every guarded test, the longest run by far.
     runs: list[tuple[str, list[str], Path | None]] = [("full-series", sorted(wanted), None)]
+    cuts: dict[str, str] = {}
     for index, (name, pid) in enumerate(patches):
         if pid in wanted:
-            runs.append((f"without-{pid}", [pid], _variant_tree(lay, index, pid)))
+            path, cuts[pid] = _variant_tree(lay, index, pid)
+            print(f"[ablation] without-{pid}: {pid} left out {cuts[pid]}", flush=True)
+            runs.append((f"without-{pid}", [pid], path))
     jobs = _jobs(args.jobs, len(runs))
     from harness.zygote import preload
 
@@ -286,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
             good = res["status"] in ("failed", "error") and full["status"] == "passed"
             ok &= good
             rows.append({
-                "test": test, "patch": pid, "without": res["status"], "without_reason": res["reason"],
+                "test": test, "patch": pid, "cut": cuts[pid], "without": res["status"],
+                "without_reason": res["reason"], "failed_on": failure_kind(res["status"], res["reason"]),
                 "with": full["status"], "with_reason": full["reason"], "ok": good,
             })
             if not good:
@@ -297,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     problems.append(f"{test}: {res['status']} without patch {pid}")
 
-    _write_report(lay, rows, problems, ok)
+    _write_report(lay, rows, problems, ok, cuts)
     if not ok:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
@@ -306,24 +342,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_report(lay, rows: list[dict[str, Any]], problems: list[str], ok: bool) -> None:
+def _write_report(lay, rows: list[dict[str, Any]], problems: list[str], ok: bool,
+                  cuts: dict[str, str]) -> None:
     results = lay.results
     results.mkdir(parents=True, exist_ok=True)
+    kinds = {k: sum(r["failed_on"] == k for r in rows) for k in ("behaviour", "import")}
     (results / "ablation.json").write_text(json.dumps(
-        {"ok": ok, "rows": rows, "problems": problems}, indent=2) + "\n")
-    lines = ["| test | patch | without patch | with series | ok |", "|---|---|---|---|---|"]
+        {"ok": ok, "failed_on": kinds, "cuts": cuts, "rows": rows, "problems": problems},
+        indent=2) + "\n")
+    lines = ["| test | patch | without patch | failed on | with series | ok |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         why = f" ({r['without_reason']})" if r["without_reason"] else ""
-        lines.append(f"| `{r['test']}` | {r['patch']} | {r['without']}{why} | {r['with']} | "
-                     f"{'yes' if r['ok'] else 'NO'} |")
-    summary = {}
+        lines.append(f"| `{r['test']}` | {r['patch']} | {r['without']}{why} | {r['failed_on'] or '-'} | "
+                     f"{r['with']} | {'yes' if r['ok'] else 'NO'} |")
+    summary: dict[str, list[int]] = {}
     for r in rows:
-        s = summary.setdefault(r["patch"], [0, 0])
+        s = summary.setdefault(r["patch"], [0, 0, 0, 0])
         s[0] += 1
         s[1] += int(r["ok"])
-    lines += ["", "| patch | regression tests | fail without, pass with |", "|---|---|---|"]
-    for pid, (n, good) in summary.items():
-        lines.append(f"| {pid} | {n} | {good} |")
+        s[2] += int(r["failed_on"] == "behaviour")
+        s[3] += int(r["failed_on"] == "import")
+    lines += ["", "| patch | left out | regression tests | fail without, pass with | on behaviour | "
+              "on import |", "|---|---|---|---|---|---|"]
+    for pid, (n, good, beh, imp) in summary.items():
+        lines.append(f"| {pid} | {cuts.get(pid, '')} | {n} | {good} | {beh} | {imp} |")
+    lines += ["", f"Failed on behaviour: {kinds['behaviour']}; on import (a name the tree "
+              f"without the patch lacks): {kinds['import']}."]
     md = "\n".join(lines) + "\n"
     (results / "ablation.md").write_text(md)
     print(md)

@@ -114,3 +114,55 @@ def test_two_patch_ids_after_one_patch_flag_is_one_line(monkeypatch):
     with pytest.raises(HarnessError) as exc:
         ablation.run(args)
     assert str(exc.value) == "b: a Patch-Id given to pytest; give each its own --patch (--patch b)"
+
+
+def _series_repo(tmp_path):
+    """A pristine commit and three patches: P edits a.py, Q edits b.py alone, R edits the
+    line P wrote (it needs P's lines)."""
+    from harness.patchset.git import git
+
+    repo = tmp_path / "tree"
+    (repo / "python").mkdir(parents=True)
+    git(repo, "init", "-q")
+    commits = []
+    for name, files in (("base", {"a.py": "x = 1\n", "b.py": "y = 1\n"}), ("P", {"a.py": "x = 2\n"}),
+                        ("Q", {"b.py": "y = 2\n"}), ("R", {"a.py": "x = 3\n"})):
+        for f, text in files.items():
+            (repo / "python" / f).write_text(text)
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", name)
+        commits.append(git(repo, "rev-parse", "HEAD").stdout.strip())
+    return repo, commits
+
+
+def test_a_patch_is_left_out_alone_where_the_later_ones_apply_without_it(tmp_path):
+    """Q left out alone: R still applies, and the tree has P and R but not Q; the work
+    tree and its index are untouched and the scratch index is gone."""
+    from harness.patchset.git import git, replay_tree
+
+    repo, (base, p, q, r) = _series_repo(tmp_path)
+    index = tmp_path / "scratch-index"
+    tree, why = replay_tree(repo, p, [r], index)
+    assert why == "" and tree is not None and not index.exists()
+    assert git(repo, "show", f"{tree}:python/a.py").stdout == "x = 3\n"
+    assert git(repo, "show", f"{tree}:python/b.py").stdout == "y = 1\n"
+    assert git(repo, "status", "--porcelain").stdout == ""
+
+
+def test_a_later_patch_that_needs_the_left_out_one_is_named_with_its_file(tmp_path):
+    """P left out: Q applies, R does not (it edits P's line); the reason names R and the
+    file, for the report; the ablation then cuts P and every later patch."""
+    from harness.patchset.git import replay_tree
+
+    repo, (base, p, q, r) = _series_repo(tmp_path)
+    tree, why = replay_tree(repo, base, [q, r], tmp_path / "scratch-index")
+    assert tree is None
+    assert why.startswith("'R' does not apply without it") and "python/a.py" in why
+
+
+def test_a_failure_is_on_import_where_it_stops_at_a_missing_name():
+    assert ablation.failure_kind("error", "ImportError: cannot import name 'X' from 'sglang.srt'") == "import"
+    assert ablation.failure_kind("failed", "AttributeError: 'M' object has no attribute 'set_x'") == "import"
+    assert ablation.failure_kind("failed", "AssertionError: rank 0: capture 2 differs") == "behaviour"
+    assert ablation.failure_kind("failed", "RuntimeError: captured 2 of 3 aux hidden states") == "behaviour"
+    assert ablation.failure_kind("passed", "") == ""
