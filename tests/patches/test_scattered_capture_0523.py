@@ -155,3 +155,53 @@ def test_scattering_gate_is_sglangs(rank_pool):
     assert pool.run(fn, "DFLASH") == [True, True]
     assert pool.run(fn, "EAGLE3") == [False, False]
     assert pool.run(fn, "DFLASH", None) == [False, False]
+
+
+def _gather_ownership(axes):
+    """The ``owned`` the capture move's attention-TP gather is called with, for a
+    residual sharded over ``axes`` returned to the producer's unsharded rows: the real
+    ``boundary._capture_move`` and ``ops.move_rows``, the two collectives recorded
+    (their own buffers need a process group; what is checked is the request)."""
+    import types
+
+    from sglang.srt.layers.layer_boundary import boundary, ops
+    from sglang.srt.layers.layer_boundary.layout import Layout, TokenAxis
+
+    calls = []
+
+    def attn_tp_gather(tensor, *, owned=False):
+        calls.append(("attn_tp_gather", owned))
+        return torch.cat([tensor, tensor])
+
+    def dp_gather(tensor, forward_batch, cp_shard_counts=None):
+        calls.append(("dp_gather", None))
+        return tensor.clone()
+
+    saved = ops.attn_tp_gather, ops.dp_gather
+    ops.attn_tp_gather, ops.dp_gather = attn_tp_gather, dp_gather
+    try:
+        edge = types.SimpleNamespace(
+            residual_to=Layout(sharded=frozenset(TokenAxis[a] for a in axes)),
+            produced=types.SimpleNamespace(layout=Layout(sharded=frozenset())))
+        move, _ = boundary._capture_move(edge)
+        out = move(torch.ones(3, 4), forward_batch=None)
+    finally:
+        ops.attn_tp_gather, ops.dp_gather = saved
+    assert out.shape == (6, 4)
+    return calls
+
+
+@pytest.mark.guards(GATHER)
+def test_pure_tp_capture_gather_takes_a_buffer_of_its_own(sglang_tp1):
+    """Pure attention TP, scattered input: the gather is the move's last step and the
+    capture outlives the local DP buffer, which no MLP sync sized: a buffer of its own."""
+    assert _gather_ownership(["ATTN_TP"]) == [("attn_tp_gather", True)]
+
+
+def test_dp_attention_capture_gather_stays_in_the_local_dp_buffer(sglang_tp1):
+    """Attention TP inside attention DP: the DP gather copies the TP gather's rows out
+    of the local DP buffer at once, into the global one; a buffer of its own there would
+    be a [T, H] allocation per capture that the packer then copies again (issue 41).
+    Pristine 0.5.23 gathers there as well, so no guards mark: this keeps it so."""
+    assert _gather_ownership(["ATTN_TP", "ATTN_DP"]) == [("attn_tp_gather", False),
+                                                         ("dp_gather", None)]

@@ -161,6 +161,41 @@ class TestStageCaptureGatherScattered(unittest.TestCase):
         torch.testing.assert_close(capture, layer_output)
         self.assertEqual(self.group.gathered, [])
 
+    def test_capture_gather_owns_its_buffer_only_as_the_last_step(self):
+        # The capture move's attention-TP gather takes a buffer of its own where it
+        # ends the move (pure attention TP: the capture outlives the local DP
+        # buffer); before an attention-DP gather, which copies its rows out at once,
+        # it stays in the local DP buffer.
+        from sglang.srt.layers.layer_boundary import boundary, ops
+        from sglang.srt.layers.layer_boundary.layout import Layout, TokenAxis
+
+        for axes, want in (
+            ({TokenAxis.ATTN_TP}, [("tp", True)]),
+            ({TokenAxis.ATTN_TP, TokenAxis.ATTN_DP}, [("tp", False), ("dp", None)]),
+        ):
+            with self.subTest(axes=sorted(a.name for a in axes)):
+                calls = []
+
+                def tp_gather(tensor, *, owned=False):
+                    calls.append(("tp", owned))
+                    return torch.cat([tensor, tensor])
+
+                def dp_gather(tensor, forward_batch, cp_shard_counts=None):
+                    calls.append(("dp", None))
+                    return tensor.clone()
+
+                edge = types.SimpleNamespace(
+                    residual_to=Layout(sharded=frozenset(axes)),
+                    produced=types.SimpleNamespace(layout=Layout(sharded=frozenset())),
+                )
+                with mock.patch.object(
+                    ops, "attn_tp_gather", tp_gather
+                ), mock.patch.object(ops, "dp_gather", dp_gather):
+                    move, _ = boundary._capture_move(edge)
+                    out = move(torch.ones(3, HIDDEN), forward_batch=None)
+                self.assertEqual(tuple(out.shape), (6, HIDDEN))
+                self.assertEqual(calls, want)
+
 
 if __name__ == "__main__":
     unittest.main()
