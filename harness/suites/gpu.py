@@ -33,7 +33,11 @@ PASSTHROUGH = True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """No options of its own: every argument goes to pytest."""
+    """``--acceptance``: the bundles' GPU checks alone (``harness.suites.acceptance``);
+    every other argument goes to pytest."""
+    p.add_argument("--acceptance", nargs="+", metavar="CHECK",
+                   help="run these GPU checks (pristine vs series; 'all' for every one) "
+                        "instead of the suites")
 
 
 def gpu_count() -> int:
@@ -45,6 +49,10 @@ def gpu_count() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.acceptance:
+        from harness.suites.acceptance import run_checks
+
+        return run_checks(layout(), args.acceptance)
     n = gpu_count()
     if n == 0:
         raise HarnessError(
@@ -61,4 +69,15 @@ def run(args: argparse.Namespace) -> int:
            "--junitxml", str(results / "junit-gpu.xml")] + (extra or GPU_SUITES)
     print(f"[test-gpu] {n} GPU(s) visible; multi-rank cases need one GPU per rank", flush=True)
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=lay.root, env=env).returncode
+    rc = subprocess.run(cmd, cwd=lay.root, env=env).returncode
+    if extra:
+        return rc
+    # Then the bundles' GPU checks whose weights this machine holds.
+    from harness.suites.acceptance import run_checks
+
+    try:
+        run_checks(lay, ["all"], skip_missing=True)
+    except HarnessError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return rc or 1
+    return rc

@@ -157,6 +157,13 @@ def fork_markers(text: str) -> list[str]:
     return sorted(set(m.group(0) for m in _FORK_MARKERS.finditer(text)))
 
 
+def gpu_check_lines(bundle: str, release: str) -> list[str]:
+    """The bundle's GPU check, as a reviewer runs it (``harness.suites.acceptance``)."""
+    from harness.suites.acceptance import body_lines
+
+    return body_lines(bundle, release)
+
+
 def _accuracy(patch_id: str) -> list[str]:
     if kind(patch_id) == "packer":
         return ["No change of values: the packed buffer holds the K captures `torch.cat` "
@@ -164,7 +171,8 @@ def _accuracy(patch_id: str) -> list[str]:
                 "logits are not touched."]
     return ["The target's logits are not touched: this changes what the aux hidden "
             "state capture returns (or when it refuses a request), which the unit test "
-            "below checks on CPU. No GPU accuracy run."]
+            "below checks on CPU. Not yet run on a GPU: the GPU check below is the "
+            "command that does."]
 
 
 def base_description(p: Any, release: str, test_path: str, deps: list, stat: str,
@@ -188,6 +196,7 @@ def base_description(p: Any, release: str, test_path: str, deps: list, stat: str
         lines += [own, ""]
     lines += thread_lines(p.id)
     lines += ["## Accuracy Tests", "", *_accuracy(p.id), ""]
+    lines += gpu_check_lines(p.id, release)
     lines += ["## Benchmarking and Tests", "",
               f"New unit test `{test_path}` (CPU only, `register_cpu_ci`; runs as "
               f"`python3 {test_path}`). On a clean checkout of v{release} "

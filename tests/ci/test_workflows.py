@@ -21,7 +21,8 @@ from harness import ROOT
 
 WORKFLOWS = ROOT / ".github" / "workflows"
 CI = ROOT / "ci"
-SCRIPTS = ["build-gpu-image.sh", "run-gpu-tests.sh", "check-patch-drift.sh", "smoke-gpu-image.sh"]
+SCRIPTS = ["build-gpu-image.sh", "run-gpu-tests.sh", "check-patch-drift.sh", "smoke-gpu-image.sh",
+           "gpu-acceptance.sh"]
 
 pytestmark = pytest.mark.skipif(not WORKFLOWS.is_dir(), reason=".github/workflows not in this tree (e.g. the test image)")
 
