@@ -18,14 +18,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.doctor.declared import read_config
+from harness.e2e.multimodal import VL_TOKENS, VL_VISION
 
 PIN, NEWEST = "0.5.13.post1", "0.5.23"
 LAYERS = 6
 SEQUENCE_TOKENS = 24
-# Qwen3-VL's special tokens, inside the tiny vocabulary (160).
-VL_TOKENS = dict(image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
-# The tiny tower: 3 blocks, each feeding deepstack into one of decoder layers 0-2.
-VL_VISION = dict(depth=3, deepstack_visual_indexes=[0, 1, 2])
 IMAGE_GRID = (1, 4, 4)   # t, h, w patches: 16 patches, 4 image tokens after the 2x2 merge
 
 

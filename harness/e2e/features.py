@@ -124,7 +124,7 @@ MULTIMODAL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "gemma4")
 
 
 def _multimodal_config(name: str, cfg: dict) -> dict:
-    from harness.doctor.cases import VL_TOKENS, VL_VISION
+    from harness.e2e.multimodal import VL_TOKENS, VL_VISION
 
     if name.startswith("qwen3_vl"):
         return {**cfg, "vision_config": {**cfg["vision_config"], **VL_VISION}, **VL_TOKENS}

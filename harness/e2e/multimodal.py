@@ -33,8 +33,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 VOCAB = 160
-# Qwen's special tokens: the ids harness.doctor.cases.VL_TOKENS (Qwen3-VL) and the
-# return-aux tier's Qwen3.5 config put in the vocabulary.
+# Qwen3-VL's special tokens in the tiny vocabulary, and its tiny tower: 3 blocks, each
+# feeding deepstack into one of decoder layers 0-2 (the return-aux tier's and the doctor's
+# checkpoints).
+VL_TOKENS = dict(image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
+VL_VISION = dict(depth=3, deepstack_visual_indexes=[0, 1, 2])
+# Qwen's special tokens: the ids VL_TOKENS (Qwen3-VL) and the return-aux tier's Qwen3.5
+# config put in the vocabulary.
 QWEN_SPECIAL = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>", 150: "<|image_pad|>",
                 151: "<|video_pad|>", 152: "<|vision_start|>", 153: "<|vision_end|>"}
 QWEN_IMAGE = (152, 150, 153)    # the placeholder of one image in a prompt

@@ -75,7 +75,7 @@ def backend(model_config, req_to_token, kv, server_args, window: Optional[int], 
     # pools: their layer 0 may hold no KV); 0.5.23 derives them from the model config.
     hybrid = dict(hybrid_gdn_config=None, kimi_linear_config=None, linear_attn_model_spec=None)
     if server_args is not None:
-        from harness.parity.hybrid import runner_view
+        from harness.parity.runner_view import runner_view
 
         view = runner_view(model_config, req_to_token, kv)
         hybrid = {name: getattr(view, name) for name in hybrid}

@@ -31,7 +31,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
