@@ -92,16 +92,40 @@ def lint_series(lay: Layout) -> tuple[list[str], list[str]]:
     return problems, [n for i, n in enumerate(names) if n not in names[:i]]
 
 
+def _header(mail: str, name: str) -> str:
+    """A header of a ``git format-patch`` mail, its continuation lines joined."""
+    lines = mail.partition("\n\n")[0].splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(f"{name}:"):
+            value = line[len(name) + 1:].strip()
+            for cont in lines[i + 1:]:
+                if not cont.startswith((" ", "\t")):
+                    break
+                value += " " + cont.strip()
+            return value
+    return ""
+
+
 def lint_metadata(lay: Layout, names: list[str]) -> list[str]:
     problems = []
     ids: dict[str, str] = {}
+    first_author: tuple[str, str] | None = None
     for n in names:
         path = lay.patches / n
         if not path.exists():
             continue
-        subject, _, tr = patch_message(path.read_text(errors="replace"))
+        text = path.read_text(errors="replace")
+        subject, _, tr = patch_message(text)
         if not subject:
             problems.append(f"{n}: no Subject")
+        # One author for the series, its first patch's: the one name a maintainer sees on
+        # the exported patches and the upstream bundles (a patch committed under another
+        # git identity carries that one instead).
+        author = _header(text, "From")
+        first_author = first_author or (n, author)
+        if author != first_author[1]:
+            problems.append(f"{n}: author {author!r}, not the series' {first_author[1]!r} "
+                            f"(of {first_author[0]}; commit --amend --author, then make export-patches)")
         for key in REQUIRED_TRAILERS:
             if not tr.get(key):
                 problems.append(f"{n}: missing trailer {key}:")

@@ -90,6 +90,17 @@ def test_check_lint_failures(root: Path) -> None:
     assert "Patch-Id first-fix also used by" in text
 
 
+def test_check_one_author_for_the_series(root: Path) -> None:
+    lay = layout(root)
+    p2 = lay.patches / "0002-Fix-line-thirty.patch"
+    first = next(x for x in (lay.patches / "0001-Fix-line-ten.patch").read_text().splitlines()
+                 if x.startswith("From: "))
+    p2.write_text(p2.read_text().replace(first, "From: Some Session <session@example.invalid>"))
+    text = "\n".join(check_patches(lay, style=False))
+    assert ("0002-Fix-line-thirty.patch: author 'Some Session <session@example.invalid>', "
+            f"not the series' {first[len('From: '):]!r}") in text
+
+
 def test_check_detects_fuzz_and_round_trip_drift(root: Path) -> None:
     lay = layout(root)
     p = lay.patches / "0002-Fix-line-thirty.patch"

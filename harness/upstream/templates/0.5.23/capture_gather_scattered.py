@@ -188,9 +188,10 @@ class TestStageCaptureGatherScattered(unittest.TestCase):
                     residual_to=Layout(sharded=frozenset(axes)),
                     produced=types.SimpleNamespace(layout=Layout(sharded=frozenset())),
                 )
-                with mock.patch.object(
-                    ops, "attn_tp_gather", tp_gather
-                ), mock.patch.object(ops, "dp_gather", dp_gather):
+                with (
+                    mock.patch.object(ops, "attn_tp_gather", tp_gather),
+                    mock.patch.object(ops, "dp_gather", dp_gather),
+                ):
                     move, _ = boundary._capture_move(edge)
                     out = move(torch.ones(3, HIDDEN), forward_batch=None)
                 self.assertEqual(tuple(out.shape), (6, HIDDEN))
