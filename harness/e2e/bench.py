@@ -2,7 +2,7 @@
 and on the return path alone.
 
 **In the Engine**, per width ``K * H`` (``--widths``; default 768, 4,096 and 12,288: K = 3
-x H = 256, K = 4 x H = 1,024, K = 3 x H = 4,096), four Engines of the same llama
+x H = 256, K = 4 x H = 1,024, K = 3 x H = 4,096), five Engines of the same llama
 checkpoint (``harness.parity`` family, H wide, ``--engine-layers`` deep), SGLang's
 Engine on the CPU (``harness.e2e.engine``), one driver process each, all up at once:
 
@@ -13,6 +13,9 @@ Engine on the CPU (``harness.e2e.engine``), one driver process each, all up at o
   (``return_hidden_states``);
 - ``series-arrays``: the same Engine arguments, each request asking for one tensor
   (``return_raw_hidden_states``, patch ``return-hidden-states-arrays``);
+- ``series-flag`` (diagnostic): the capturing Engine's arguments, requests that ask
+  for no features: what the flag costs by itself (its capture in the forward, its
+  full hidden-states mode), apart from the return path;
 - ``plain``: the patched wheel without ``--enable-return-aux-hidden-states`` and
   without ``return_hidden_states``: the same generation, no features.
 
@@ -53,12 +56,17 @@ from typing import Any, Sequence
 from harness import HarnessError
 from harness.patchset.git import export_commit
 
-VARIANTS = ("pristine-lists", "series-lists", "series-arrays", "plain")
+VARIANTS = ("pristine-lists", "series-lists", "series-arrays", "series-flag", "plain")
+# The variants that return features; series-flag runs the capturing Engine's arguments
+# with requests that ask for none: the cost of the flag itself (its capture in the
+# forward, its full hidden-states mode) without the return path.
 CAPTURING = VARIANTS[:3]
+RATIOED = VARIANTS[:4]
 LABELS = {
     "pristine-lists": "pristine: list + torch.cat, lists of floats",
     "series-lists": "series: packer, the lists of before",
     "series-arrays": "series: packer, one tensor a request",
+    "series-flag": "series: the flag on, no request asks (diagnostic)",
     "plain": "plain: no capture",
 }
 PROVENANCE_ENV = "HARNESS_BENCH_PROVENANCE"
@@ -135,13 +143,13 @@ def rotation(round_index: int, variants: Sequence[str] = VARIANTS) -> list[str]:
 
 
 def ratios_to_plain(samples: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per capturing variant, its rows/s over plain's in the same round (plain's wall
+    """Per variant but plain, its rows/s over plain's in the same round (plain's wall
     time over its own), median, min and max over the rounds."""
     by_round: dict[Any, dict[str, float]] = {}
     for s in samples:
         by_round.setdefault(s["round"], {})[s["variant"]] = s["seconds"]
     out = {}
-    for v in CAPTURING:
+    for v in RATIOED:
         within = [r["plain"] / r[v] for r in by_round.values() if v in r and "plain" in r]
         if within:
             out[v] = {"median": statistics.median(within), "min": min(within), "max": max(within),
@@ -341,7 +349,7 @@ def _parallel(calls: dict[str, Any]) -> None:
 
 
 def _width_runs(args, lay, base: str, pristine: Path, width: int, root: Path) -> dict[str, Any]:
-    """The four Engines at one width: rounds, ratios, rows/s, peak RSS, provenance."""
+    """The Engines at one width: rounds, ratios, rows/s, peak RSS, provenance."""
     import torch
 
     from harness.e2e.engine import Session
@@ -363,7 +371,8 @@ def _width_runs(args, lay, base: str, pristine: Path, width: int, root: Path) ->
     digests: dict[str, set[str]] = {v: set() for v in CAPTURING}
     t0 = time.monotonic()
     try:
-        print(f"[bench] width {width} (K {k} x H {hidden}): starting 4 engine drivers", flush=True)
+        print(f"[bench] width {width} (K {k} x H {hidden}): starting {len(VARIANTS)} engine drivers",
+              flush=True)
         _parallel({v: (lambda v=v: sessions[v].ensure(configs[v])) for v in VARIANTS})
         print(f"[bench] engines up after {time.monotonic() - t0:.0f} s", flush=True)
         for s in sessions.values():
@@ -371,7 +380,7 @@ def _width_runs(args, lay, base: str, pristine: Path, width: int, root: Path) ->
         for r in range(args.rounds + 1):
             for v in rotation(r):
                 s = sessions[v]
-                capture = v != "plain"
+                capture = v in CAPTURING
                 s.resume()
                 outs = s.generate(None, sampling, input_ids=batch, return_hidden_states=capture,
                                   hidden_summary=capture, raw_hidden_states=v == "series-arrays")
