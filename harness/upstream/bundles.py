@@ -201,3 +201,24 @@ def needed_patches(units: list[Unit], unit: Unit) -> list[Any]:
 
 def unit_of(units: list[Unit], patch_id: str) -> Unit:
     return next(u for u in units if patch_id in u.ids)
+
+
+def stack(needs: dict[str, list[str]]) -> dict:
+    """The stacking graph of the bundles (``needs``: bundle -> the bundles it stacks on,
+    each a PR to merge first): per bundle its depth (the PRs in its longest chain, itself
+    included: 1 for a PR on the release) and that chain, the deepest chain overall."""
+    memo: dict[str, list[str]] = {}
+
+    def chain(b: str, seen: tuple[str, ...] = ()) -> list[str]:
+        if b in seen:
+            raise HarnessError(f"bundles stack in a circle: {' -> '.join((*seen, b))}")
+        if b not in memo:
+            longest = max((chain(d, (*seen, b)) for d in needs.get(b, [])), key=len, default=[])
+            memo[b] = [*longest, b]
+        return memo[b]
+
+    chains = {b: chain(b) for b in needs}
+    deepest = max(chains.values(), key=len, default=[])
+    return {"needs": {b: sorted(needs[b]) for b in needs},
+            "depth": {b: len(c) for b, c in chains.items()},
+            "chain": chains, "max_depth": len(deepest), "deepest": deepest}

@@ -57,18 +57,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", metavar="ID", help="only these patch ids")
     p.add_argument("--remote", default="<remote>", help="remote name for the push command")
     p.add_argument("--out", type=Path, help="output dir (default: build/pr)")
+    p.add_argument("--max-depth", type=int, metavar="N",
+                   help="refuse a stack of bundles deeper than N PRs (default: report it in "
+                        "stack.json, refuse nothing)")
 
 
 def run(args: argparse.Namespace) -> int:
     lay = layout()
     written = pr_export(lay, versions=args.versions, status_json=args.status_json,
-                        only=args.only, remote=args.remote, out=args.out)
+                        only=args.only, remote=args.remote, out=args.out, max_depth=args.max_depth)
     if not written:
         progress("no bundles: every forwarded patch has landed upstream (or none is forwarded)")
     return 0
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def write_stack(lay: Layout, out: Path, units: list, max_depth: int | None) -> dict:
+    """``out/stack.json``: each bundle in ``out`` (its ``bundle.json``) -> the bundles it
+    stacks on (those holding its ``deps``), each one's depth and longest chain. Refuses a
+    chain deeper than ``max_depth`` in one line naming it."""
+    owner = {pid: u.id for u in units for pid in u.ids}
+    needs: dict[str, list[str]] = {}
+    for meta_file in sorted(out.glob("*/bundle.json")):
+        meta = json.loads(meta_file.read_text())
+        needs[meta["id"]] = sorted({owner.get(d, d) for d in meta["deps"]} - {meta["id"]})
+    for deps in list(needs.values()):  # a dep whose bundle is not in out: a leaf here
+        for d in deps:
+            needs.setdefault(d, [])
+    graph = bundles.stack(needs)
+    (out / "stack.json").write_text(json.dumps(graph, indent=2) + "\n")
+    progress(f"stack: {len(needs)} bundles, deepest chain {graph['max_depth']} PRs "
+             f"({' -> '.join(graph['deepest'])}); {lay.rel(out / 'stack.json')}")
+    if max_depth is not None and graph["max_depth"] > max_depth:
+        raise HarnessError(f"stack: {graph['deepest'][-1]} stacks {graph['max_depth']} PRs deep "
+                           f"({' -> '.join(graph['deepest'])}), over --max-depth {max_depth}")
+    return graph
 
 
 def template_for(patch_id: str, base: str | None = None) -> tuple[str, str] | None:
@@ -161,6 +186,7 @@ def pr_export(
     only: list[str] | None = None,
     remote: str = "<remote>",
     out: Path | None = None,
+    max_depth: int | None = None,
 ) -> list[Path]:
     from harness.patchset.export import FORMAT_PATCH_FLAGS
     from harness.upstream.status import (
@@ -171,7 +197,7 @@ def pr_export(
     )
 
     if lay.base is not None:
-        return export_from_base(lay, only=only, remote=remote, out=out)
+        return export_from_base(lay, only=only, remote=remote, out=out, max_depth=max_depth)
     pin = load_pin(lay)
     patches = load_series(lay)
     if status_json:
@@ -319,7 +345,7 @@ TEST_SUPPORT = "python/sglang/test/"  # where a bundle's shared test code lives
 
 
 def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "<remote>",
-                     out: Path | None = None) -> list[Path]:
+                     out: Path | None = None, max_depth: int | None = None) -> list[Path]:
     """One verified bundle per ``Forwarded: yes`` patch of this base's series, on the
     pristine release it is based on (``build/sglang-<base>`` at its base tag)."""
     from harness.patchset.export import FORMAT_PATCH_FLAGS
@@ -442,6 +468,7 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
         progress(f"  wrote {lay.rel(dest)} ({', '.join(patch_names)}); test fails without, passes with")
         written.append(dest)
     if written:
+        write_stack(lay, out, units, max_depth)
         # With --only, the bundles not rebuilt are checked too: a new patch can break an
         # earlier bundle's test on the whole series (its template, as the bundle carries it).
         others = [(u.id, *t) for u in units if only and not _selected(u, only)

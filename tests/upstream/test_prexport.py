@@ -573,3 +573,37 @@ def test_thread_table_holds_the_threads_a_pr_relates_to():
     choice = "\n".join(thread_lines("final-layer-capture"))
     row = next(x for x in choice.splitlines() if x.startswith("| #39776 |"))
     assert "gives what it asked for" in row
+
+
+def test_stack_is_each_bundles_longest_chain_of_prs_to_merge_first():
+    from harness import HarnessError
+    from harness.upstream.bundles import stack
+
+    g = stack({"infra": [], "final": [], "plain": ["infra"], "vl": ["plain", "infra"],
+               "deprecate": ["vl", "plain"], "alone": []})
+    assert g["depth"] == {"infra": 1, "final": 1, "plain": 2, "vl": 3, "deprecate": 4, "alone": 1}
+    assert g["max_depth"] == 4 and g["deepest"] == ["infra", "plain", "vl", "deprecate"]
+    with pytest.raises(HarnessError, match="circle: a -> b -> a"):
+        stack({"a": ["b"], "b": ["a"]})
+
+
+def test_stack_json_is_written_and_a_depth_over_the_limit_refused(tmp_path):
+    from harness import HarnessError
+    import types
+
+    from harness.upstream.prexport import write_stack
+
+    units = [types.SimpleNamespace(id="infra", ids=["packer-checked", "infra"]),
+             types.SimpleNamespace(id="plain", ids=["llama-packer", "qwen-packer"]),
+             types.SimpleNamespace(id="vl", ids=["vl"])]
+    for bid, deps in (("infra", []), ("plain", ["packer-checked", "infra"]), ("vl", ["qwen-packer"])):
+        (tmp_path / bid).mkdir()
+        (tmp_path / bid / "bundle.json").write_text(json.dumps({"id": bid, "deps": deps}))
+    lay = types.SimpleNamespace(rel=lambda p: p.name)
+    g = write_stack(lay, tmp_path, units, None)
+    assert json.loads((tmp_path / "stack.json").read_text())["needs"] == {
+        "infra": [], "plain": ["infra"], "vl": ["plain"]}
+    assert g["max_depth"] == 3
+    assert write_stack(lay, tmp_path, units, 3)["max_depth"] == 3
+    with pytest.raises(HarnessError, match=r"vl stacks 3 PRs deep \(infra -> plain -> vl\), over --max-depth 2"):
+        write_stack(lay, tmp_path, units, 2)
