@@ -2,8 +2,9 @@
 and on the return path alone.
 
 **In the Engine**, per width ``K * H`` (``--widths``; default 768, 4,096 and 12,288: K = 3
-x H = 256, K = 4 x H = 1,024, K = 3 x H = 4,096), five Engines of the same llama
-checkpoint (``harness.parity`` family, H wide, ``--engine-layers`` deep), SGLang's
+x H = 256, K = 4 x H = 1,024, K = 3 x H = 4,096), five Engines (four at 12,288:
+``FLAG_MAX_WIDTH``) of the same llama checkpoint (``harness.parity`` family, H wide,
+``--engine-layers`` deep), SGLang's
 Engine on the CPU (``harness.e2e.engine``), one driver process each, all up at once:
 
 - ``pristine-lists``: the base's pristine release (``git archive base/v<version>
@@ -62,6 +63,15 @@ VARIANTS = ("pristine-lists", "series-lists", "series-arrays", "series-flag", "p
 # forward, its full hidden-states mode) without the return path.
 CAPTURING = VARIANTS[:3]
 RATIOED = VARIANTS[:4]
+# The diagnostic runs up to this width: at K*H = 12,288 (H = 4,096) five Engines of about
+# 4.2 GB each leave SGLang's memory profile no room for a KV cache on a 24 GB machine.
+FLAG_MAX_WIDTH = 4096
+
+
+def variants_at(width: int) -> tuple[str, ...]:
+    return VARIANTS if width <= FLAG_MAX_WIDTH else tuple(v for v in VARIANTS if v != "series-flag")
+
+
 LABELS = {
     "pristine-lists": "pristine: list + torch.cat, lists of floats",
     "series-lists": "series: packer, the lists of before",
@@ -354,6 +364,7 @@ def _width_runs(args, lay, base: str, pristine: Path, width: int, root: Path) ->
 
     from harness.e2e.engine import Session
 
+    variants = variants_at(width)
     k, hidden = shape(width)
     ids = layer_ids(args.engine_layers, k)
     rows = expected_rows(args.prompt_len, args.new_tokens, args.prompts)
@@ -366,19 +377,19 @@ def _width_runs(args, lay, base: str, pristine: Path, width: int, root: Path) ->
     env_pristine["PYTHONPATH"] = os.pathsep.join(
         [str(pristine)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     sessions = {v: Session(root / f"{v}-{width}", base=f"{base} ({v})",
-                           env=env_pristine if v.startswith("pristine") else None) for v in VARIANTS}
+                           env=env_pristine if v.startswith("pristine") else None) for v in variants}
     samples: list[dict[str, Any]] = []
     digests: dict[str, set[str]] = {v: set() for v in CAPTURING}
     t0 = time.monotonic()
     try:
-        print(f"[bench] width {width} (K {k} x H {hidden}): starting {len(VARIANTS)} engine drivers",
+        print(f"[bench] width {width} (K {k} x H {hidden}): starting {len(variants)} engine drivers",
               flush=True)
-        _parallel({v: (lambda v=v: sessions[v].ensure(configs[v])) for v in VARIANTS})
+        _parallel({v: (lambda v=v: sessions[v].ensure(configs[v])) for v in variants})
         print(f"[bench] engines up after {time.monotonic() - t0:.0f} s", flush=True)
         for s in sessions.values():
             s.pause()
         for r in range(args.rounds + 1):
-            for v in rotation(r):
+            for v in rotation(r, variants):
                 s = sessions[v]
                 capture = v in CAPTURING
                 s.resume()
@@ -397,8 +408,8 @@ def _width_runs(args, lay, base: str, pristine: Path, width: int, root: Path) ->
                 if r:
                     samples.append({"variant": v, "round": r, "seconds": s.last_generate_s})
             print(f"[bench] width {width} round {r}{' (warm-up)' if r == 0 else ''}: "
-                  + ", ".join(f"{v} {sessions[v].last_generate_s:.3f} s" for v in rotation(r)), flush=True)
-        rss = {v: sessions[v].rss().get("engine_peak_rss_bytes") for v in VARIANTS}
+                  + ", ".join(f"{v} {sessions[v].last_generate_s:.3f} s" for v in rotation(r, variants)), flush=True)
+        rss = {v: sessions[v].rss().get("engine_peak_rss_bytes") for v in variants}
     finally:
         for s in sessions.values():
             if s.proc is not None and s.current is not None:
@@ -408,12 +419,12 @@ def _width_runs(args, lay, base: str, pristine: Path, width: int, root: Path) ->
                     pass
             s.close()
     provenance = {v: check_provenance(v, read_provenance(root / f"provenance-{width}" / v), pristine)
-                  for v in VARIANTS}
+                  for v in variants}
     same = (len({d for ds in digests.values() for d in ds}) == 1
             and all(len(ds) == 1 for ds in digests.values()))
     ratios = ratios_to_plain(samples)
     out = []
-    for v in VARIANTS:
+    for v in variants:
         secs = [s["seconds"] for s in samples if s["variant"] == v]
         out.append({"width": width, "k": k, "hidden": hidden, "layer_ids": list(ids), "variant": v,
                     "ratio_to_plain": ratios.get(v), "median_s": statistics.median(secs),
