@@ -72,6 +72,13 @@ def variants_at(width: int) -> tuple[str, ...]:
     return VARIANTS if width <= FLAG_MAX_WIDTH else tuple(v for v in VARIANTS if v != "series-flag")
 
 
+# SGLang's memory profile (mem_cache/kv_cache_configurator.py, _profile_available_bytes)
+# takes all the memory that goes while an Engine loads its weights as that Engine's: Engines
+# loading side by side count each other's weights, and at K*H 12,288 (about 4.2 GB each)
+# one of them finds "no GPU memory for the KV cache". They start one at a time when their
+# weights together exceed this share of the available memory.
+PARALLEL_START_SHARE = 0.25
+
 LABELS = {
     "pristine-lists": "pristine: list + torch.cat, lists of floats",
     "series-lists": "series: packer, the lists of before",
@@ -339,6 +346,16 @@ def _configs(ckpt: Path, ids: Sequence[int], prompts: int, tokens: int, provenan
             for v in VARIANTS}
 
 
+def _weights_bytes(ckpt: Path) -> int:
+    return sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+
+
+def _available_bytes() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 def _parallel(calls: dict[str, Any]) -> None:
     """Run each callable in a thread of its own; raise the first error."""
     errors: dict[str, BaseException] = {}
@@ -384,7 +401,13 @@ def _width_runs(args, lay, base: str, pristine: Path, width: int, root: Path) ->
     try:
         print(f"[bench] width {width} (K {k} x H {hidden}): starting {len(variants)} engine drivers",
               flush=True)
-        _parallel({v: (lambda v=v: sessions[v].ensure(configs[v])) for v in variants})
+        starts = {v: (lambda v=v: sessions[v].ensure(configs[v])) for v in variants}
+        if _weights_bytes(ckpt) * len(variants) > PARALLEL_START_SHARE * _available_bytes():
+            print("[bench] their weights together are large: starting them one at a time", flush=True)
+            for start in starts.values():
+                start()
+        else:
+            _parallel(starts)
         print(f"[bench] engines up after {time.monotonic() - t0:.0f} s", flush=True)
         for s in sessions.values():
             s.pause()
