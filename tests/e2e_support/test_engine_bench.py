@@ -57,6 +57,15 @@ def test_rounds_rotate_so_each_variant_takes_each_place():
         assert sorted(o[place] for o in orders) == sorted(bench.VARIANTS)
 
 
+def test_the_flag_diagnostic_runs_up_to_its_width_and_the_rest_rotate_without_it():
+    assert bench.variants_at(bench.FLAG_MAX_WIDTH) == bench.VARIANTS
+    wide = bench.variants_at(bench.FLAG_MAX_WIDTH + 1)
+    assert "series-flag" not in wide and set(bench.RATIOED[:3]) < set(wide) and "plain" in wide
+    orders = [bench.rotation(r, wide) for r in range(len(wide))]
+    for place in range(len(wide)):
+        assert sorted(o[place] for o in orders) == sorted(wide)
+
+
 def test_ratio_to_plain_is_per_round_then_median_min_max():
     # Round 2 is slow for everyone (load): the per-round ratio is unmoved by it.
     secs = {1: {"pristine-lists": 2.0, "series-lists": 1.25, "series-arrays": 1.0, "plain": 1.0},
