@@ -14,9 +14,11 @@ each variant (one process, the same rows, side by side):
 - ``series-arrays``: the same, and the caller gets one tensor per request
   (``return_raw_hidden_states``).
 
-Each pipe is a real pair of ZMQ sockets (``inproc``, PAIR) with ``send_pyobj`` /
-``recv_pyobj`` (pickle: SGLang 0.5.23's default IPC, ``SGLANG_USE_PICKLE_IPC``), as its
-scheduler, detokenizer and tokenizer manager talk. A run is ``batch`` requests, each a
+Each pipe is a real pair of ZMQ sockets (``inproc``, PAIR), pickle being SGLang 0.5.23's
+default IPC (``SGLANG_USE_PICKLE_IPC``), as its scheduler, detokenizer and tokenizer
+manager talk: the series' variants through the installed SGLang's ``sock_send`` /
+``sock_recv`` (with the series a CPU tensor crosses as its bytes), the pristine one
+through ``send_pyobj`` / ``recv_pyobj``, which is what the release's ``sock_send`` does. A run is ``batch`` requests, each a
 prefill of ``prompt`` rows and ``decode_steps`` decode steps of one row, every row
 ``width`` values in bfloat16 (what a GPU target captures); the result processor runs at
 every forward, the output streamer, the pipes and the tokenizer manager once, when the
@@ -28,6 +30,7 @@ Stdlib-only at import time.
 
 from __future__ import annotations
 
+import pickle
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -60,7 +63,7 @@ def _requests(batch: int, rows: int):
 
 
 class _Pipe:
-    """A ZMQ PAIR over ``inproc``: ``through(obj)`` sends it and receives it back."""
+    """A ZMQ PAIR over ``inproc``: ``through(obj, series)`` sends it and receives it back."""
 
     def __init__(self, context, name: str) -> None:
         import zmq
@@ -70,8 +73,13 @@ class _Pipe:
         self.rx.bind(f"inproc://{name}")
         self.tx.connect(f"inproc://{name}")
 
-    def through(self, obj: Any) -> Any:
-        self.tx.send_pyobj(obj)
+    def through(self, obj: Any, series: bool) -> Any:
+        if series:
+            from sglang.srt.managers.io_struct import sock_recv, sock_send
+
+            sock_send(self.tx, obj)
+            return sock_recv(self.rx)
+        self.tx.send_pyobj(obj, protocol=pickle.HIGHEST_PROTOCOL)
         return self.rx.recv_pyobj()
 
     def close(self) -> None:
@@ -123,7 +131,7 @@ def one_request_batch(variant: str, prefill, decodes: Sequence[Any], batch: int,
     else:
         sent = ([req.hidden_states for req in reqs], None)
     for pipe in pipes:
-        sent = pipe.through(sent)
+        sent = pipe.through(sent, series)
     rows, layouts = sent
     if not series:
         return rows

@@ -218,6 +218,44 @@ def test_one_array_per_request_across_the_pipes():
 
 
 @GUARD
+def test_the_pickle_ipc_sends_a_cpu_tensor_as_its_bytes(monkeypatch):
+    """SGLang's ``sock_send`` (the pickle IPC, the default) over a real zmq pipe: a CPU
+    tensor crosses as its bytes, dtype and shape (as the msgpack IPC's ``enc_hook`` sends
+    it), not through torch's legacy storage pickling, several times slower per tensor;
+    a view sends its own elements, not its base's storage; ``sock_recv`` gives back
+    equal tensors, dtype and shape kept; other tensors pickle as before."""
+    import pickle
+
+    import torch
+    import zmq
+
+    from sglang.srt.managers import io_struct
+
+    monkeypatch.setattr(io_struct, "_USE_PICKLE_IPC", True)
+    base = torch.arange(4096 * WIDTH, dtype=torch.float32).reshape(4096, WIDTH) / 7
+    tensors = [_rows(7, torch.bfloat16), base[5:8], base[::2, 1], torch.tensor(2.5),
+               torch.empty(0, WIDTH), torch.tensor([True, False]),
+               torch.ones(2, requires_grad=True)]
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://ipc-tensors")
+        b.connect("inproc://ipc-tensors")
+        io_struct.sock_send(a, {"rows": tensors[:6]})
+        wire = b.recv()
+        io_struct.sock_send(a, {"rows": tensors})
+        back = io_struct.sock_recv(b)["rows"]
+    finally:
+        a.close(0), b.close(0), ctx.term()
+    assert b"_rebuild_tensor" not in wire, "a CPU tensor went through torch's storage pickling"
+    assert len(wire) < base.nbytes // 4, f"a view sent its base's storage: {len(wire)} bytes"
+    assert [t.dtype for t in pickle.loads(wire)["rows"]] == [t.dtype for t in tensors[:6]]
+    for t, u in zip(tensors, back):
+        assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t.detach()), (t, u)
+    assert back[-1].requires_grad
+
+
+@GUARD
 def test_caller_gets_the_lists_of_before_or_one_tensor():
     """What ``meta_info["hidden_states"]`` holds: by default the nested lists pristine
     0.5.23 returned (the prompt's rows as one entry, a row per generated token), value

@@ -22,6 +22,7 @@ from array import array
 
 import msgspec
 import torch
+import zmq
 from starlette.requests import Request
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -187,6 +188,38 @@ class TestReturnedHiddenStates(CustomTestCase):
             encoder.encode(layout)
         )
         self.assertEqual(back_layout, layout)
+
+    def test_pickle_ipc_sends_a_cpu_tensor_as_its_bytes(self):
+        base = torch.arange(4096 * WIDTH, dtype=torch.float32).reshape(4096, WIDTH)
+        tensors = [
+            _rows(7, torch.bfloat16),
+            base[5:8],
+            base[::2, 1],
+            torch.tensor(2.5),
+            torch.empty(0, WIDTH),
+            torch.ones(2, requires_grad=True),
+        ]
+        ctx = zmq.Context()
+        sender, receiver = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        saved, io_struct._USE_PICKLE_IPC = io_struct._USE_PICKLE_IPC, True
+        try:
+            sender.bind("inproc://ipc-tensors")
+            receiver.connect("inproc://ipc-tensors")
+            io_struct.sock_send(sender, {"rows": tensors[:5]})
+            wire = receiver.recv()
+            io_struct.sock_send(sender, {"rows": tensors})
+            back = io_struct.sock_recv(receiver)["rows"]
+        finally:
+            io_struct._USE_PICKLE_IPC = saved
+            sender.close(0)
+            receiver.close(0)
+            ctx.term()
+        self.assertNotIn(b"_rebuild_tensor", wire)
+        self.assertLess(len(wire), base.nbytes // 4)
+        for t, u in zip(tensors, back):
+            self.assertEqual((u.dtype, u.shape), (t.dtype, t.shape))
+            self.assertTrue(torch.equal(u, t.detach()))
+        self.assertTrue(back[-1].requires_grad)
 
     def test_caller_gets_the_lists_of_before_or_one_tensor(self):
         rows = _rows(7, torch.bfloat16)
