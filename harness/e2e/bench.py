@@ -2,10 +2,11 @@
 and on the return path alone.
 
 **In the Engine**, per width ``K * H`` (``--widths``; default 768, 4,096 and 12,288: K = 3
-x H = 256, K = 4 x H = 1,024, K = 3 x H = 4,096), five Engines (four at 12,288:
+x H = 256, K = 4 x H = 1,024, K = 3 x H = 4,096), five Engines (four above
 ``FLAG_MAX_WIDTH``) of the same llama checkpoint (``harness.parity`` family, H wide,
-``--engine-layers`` deep), SGLang's
-Engine on the CPU (``harness.e2e.engine``), one driver process each, all up at once:
+``--engine-layers`` deep), SGLang's Engine on the CPU (``harness.e2e.engine``), one
+driver process each, all up at once (started side by side, or one at a time when their
+weights together pass ``PARALLEL_START_SHARE`` of the available memory):
 
 - ``pristine-lists``: the base's pristine release (``git archive base/v<version>
   python/sglang`` first on the driver's ``PYTHONPATH``): its list + ``torch.cat`` capture

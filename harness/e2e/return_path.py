@@ -18,12 +18,12 @@ Each pipe is a real pair of ZMQ sockets (``inproc``, PAIR), pickle being SGLang 
 default IPC (``SGLANG_USE_PICKLE_IPC``), as its scheduler, detokenizer and tokenizer
 manager talk: the series' variants through the installed SGLang's ``sock_send`` /
 ``sock_recv`` (with the series a CPU tensor crosses as its bytes), the pristine one
-through ``send_pyobj`` / ``recv_pyobj``, which is what the release's ``sock_send`` does. A run is ``batch`` requests, each a
-prefill of ``prompt`` rows and ``decode_steps`` decode steps of one row, every row
-``width`` values in bfloat16 (what a GPU target captures); the result processor runs at
-every forward, the output streamer, the pipes and the tokenizer manager once, when the
-requests finish (as for requests that do not stream). Rows per second = the run's rows
-/ the median wall time over ``repeats``.
+through ``send_pyobj`` / ``recv_pyobj``, which is what the release's ``sock_send`` does.
+A run is ``batch`` requests, each a prefill of ``prompt`` rows and ``decode_steps`` decode
+steps of one row, every row ``width`` values in bfloat16 (what a GPU target captures); the
+result processor runs at every forward, the output streamer, the pipes and the tokenizer
+manager once, when the requests finish (as for requests that do not stream). Rows per
+second = the run's rows / the median wall time over ``repeats``.
 
 Stdlib-only at import time.
 """
