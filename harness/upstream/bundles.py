@@ -2,7 +2,7 @@
 
 A base's series keeps one concern per patch, which is what the fork needs to drop a
 patch when upstream lands it. A maintainer reviews larger units: a change and its
-follow-up in one PR (0001 + 0002: the last layer's capture in every model), an
+follow-up in one PR (0.5.23 0003 + 0004: the last layer's capture in every model), an
 infrastructure PR that others build on. ``harness/upstream/templates/<base>/bundles.toml``
 says so::
 
@@ -19,7 +19,8 @@ says so::
 A bundle's patches need not be neighbours, but no patch between them may touch their
 files (squashed, they move next to each other). A unit is a bundle or a patch in none. ``needs`` is for what file overlap cannot see: a
 migration that imports a helper the infrastructure PR adds, in a file it does not touch.
-Every other dependency is still found from the files (``prexport._walk``).
+Every other dependency is found from the lines a unit's patches read (``blame``), or,
+where those do not apply, from the files (``prexport._walk``).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from harness.patchset.layout import Layout, layout
 from harness.patchset.pin import load_pin
 from harness.patchset.scratch import scratch
 from harness import zygote
-from harness.upstream import bundles, prbody
+from harness.upstream import blame, bundles, prbody
 from harness.upstream.prbody import fork_paths, strip_trailers
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -348,7 +348,6 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
                      out: Path | None = None, max_depth: int | None = None) -> list[Path]:
     """One verified bundle per ``Forwarded: yes`` patch of this base's series, on the
     pristine release it is based on (``build/sglang-<base>`` at its base tag)."""
-    from harness.patchset.export import FORMAT_PATCH_FLAGS
     from harness.patchset.pin import base_tag
     from harness.upstream.status import load_series
 
@@ -364,109 +363,13 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
     out = out or lay.build / "pr"
     written: list[Path] = []
     lock = _lock_trees(lay)  # noqa: F841 (held until this function returns)
-    for u in units:
-        if not _selected(u, only):
-            continue
-        for m in u.members:  # a member's own bundle from before it was grouped
-            if m.id != u.id and (out / m.id).exists():
-                shutil.rmtree(out / m.id)
-                progress(f"  removed {lay.rel(out / m.id)}: {m.id} goes upstream in {u.id}")
-        if not u.forwarded:
-            progress(f"{u.id}: Forwarded: {u.trailers.get('Forwarded', '?')}; no bundle")
-            if (out / u.id).exists():  # written while it was forwarded: not a PR now
-                shutil.rmtree(out / u.id)
-                progress(f"  removed {lay.rel(out / u.id)}, its earlier bundle")
-            continue
-        tmpl = template_for(u.id, lay.base)
-        if tmpl is None:
-            raise HarnessError(f"{u.members[0].name}: no upstream test template "
-                               f"harness/upstream/templates/{lay.base}/{u.id.replace('-', '_')}.py")
-        test_path, test_src = tmpl
-        body = u.body(test_path)
-        leaked = fork_paths(body)
-        if leaked:
-            raise HarnessError(f"{u.members[0].name}: the upstream body names fork paths outside its "
-                               f"Fork-Testing: paragraph: {', '.join(leaked)}")
-        progress(f"{u.id}: building PR bundle on sglang {release}"
-                 + (f" ({' + '.join(u.ids)})" if u.grouped else ""))
-        dest = out / u.id
-        if dest.exists():
-            shutil.rmtree(dest)
-        dest.mkdir(parents=True)
-        last = patches.index(u.members[-1])
-        prefix = [q for q in patches[:last] if q.id not in set(u.ids)]
-        with scratch(lay.build, "pr") as tmp:
-            repo = _pristine_clone(lay.tree, tag, Path(tmp) / "sglang")
-            deps = _apply_alone_or_with_prefix(
-                repo, u, prefix, release,
-                lambda q: bundles.needed_patches(units, bundles.unit_of(units, q.id)))
-            n = len(u.members)
-            git(repo, "tag", "pr-base", f"HEAD~{n}")  # below the patch, above its deps
-            if n > 1:  # one commit: the first member's, holding them all
-                git(repo, "reset", "-q", "--soft", f"HEAD~{n - 1}")
-            (repo / test_path).parent.mkdir(parents=True, exist_ok=True)
-            (repo / test_path).write_text(test_src)
-            git(repo, "add", "-f", test_path)
-            (Path(tmp) / "msg").write_text(u.subject + "\n\n" + body + "\n")
-            git(repo, "commit", "-q", "--amend", "--no-verify", "-F", str(Path(tmp) / "msg"))
-            pf = [Path(x) for x in git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest), "pr-base..HEAD").stdout.split()]
-            if deps:
-                git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest / "deps"), f"{tag}..pr-base")
-            stat = git(repo, "diff", "--stat", "pr-base..HEAD").stdout.rstrip()
-            # Test code the bundle adds beside its test (a shared scaffold under
-            # python/sglang/test/) goes into the run without the change too: that run
-            # is the change's tests on the release's code, so it fails on the bug,
-            # not on a missing import.
-            support = [x for x in git(repo, "diff", "--name-only", "--diff-filter=A", "pr-base..HEAD", "--",
-                                      TEST_SUPPORT).stdout.split() if x != test_path]
-            # Verify on fresh pristine trees, as a reviewer would: apply --check, then
-            # the test without the patch (must fail) and with it (must pass). The two
-            # runs are independent (each a fork that imports SGLang from its own tree:
-            # harness.zygote), so they go side by side on two trees.
-            without_tree, with_tree = (_test_tree(lay, name, tag) for name in ("without", "with"))
-            for tree in (without_tree, with_tree):
-                for d in sorted((dest / "deps").glob("*.patch")) if deps else []:
-                    git(tree, "am", "--keep-cr", "--no-3way", str(d))
-            applied = git(with_tree, "apply", "--check", *map(str, pf), check=False)
-            if applied.returncode != 0:
-                raise HarnessError(f"{u.id}: bundle patch {pf[0].name} does not apply to pristine {release}: "
-                                   + (applied.stderr.strip().splitlines() or ["git apply --check failed"])[0])
-            git(with_tree, "apply", *map(str, pf))  # adds the test too
-            (without_tree / test_path).parent.mkdir(parents=True, exist_ok=True)
-            (without_tree / test_path).write_text(test_src)
-            for rel in support:
-                (without_tree / rel).parent.mkdir(parents=True, exist_ok=True)
-                (without_tree / rel).write_text((repo / rel).read_text())
-            logs = [Path(tmp) / f"{name}.log" for name in ("without", "with")]
-            _settle()
-            statuses = zygote.shared(TEST_TIMEOUT).run([(without_tree, test_path, logs[0]), (with_tree, test_path, logs[1])])
-            without, with_patch = (_test_result(rc, log, tree) for rc, log, tree
-                                   in zip(statuses, logs, (without_tree, with_tree)))
-        what = " + ".join(m.name for m in u.members)
-        if without["rc"] == 0:
-            raise HarnessError(f"{u.id}: {test_path} passes on pristine {release} without {what}: "
-                               "it does not test the bug")
-        if with_patch["rc"] != 0:
-            raise HarnessError(f"{u.id}: {test_path} fails on {release} with {what}: {with_patch['last']}")
-        (dest / "upstream_test.py").write_text(test_src)
-        patch_names = [f.name for f in pf]
-        (dest / "title.txt").write_text(u.subject + "\n")
-        dep_units = [x for x in units if set(x.ids) & {q.id for q in deps}]
-        desc = prbody.base_description(u, release, test_path, dep_units, stat, without, with_patch, body)
-        leaked = prbody.fork_markers(desc + "\n" + body)
-        if leaked:
-            raise HarnessError(f"{u.id}: the PR body carries the fork's {', '.join(leaked)}")
-        (dest / "description.md").write_text(desc)
-        (dest / "PUSH.md").write_text(_push(u.id, release, patch_names, deps, remote, test_path))
-        (dest / "bundle.json").write_text(json.dumps({
-            "id": u.id, "title": u.subject, "base_release": release, "base_tag": f"v{release}",
-            "members": u.ids, "patches": patch_names, "deps": [q.id for q in deps], "test": test_path,
-            "branch": PUSH_REF.format(id=u.id), "notes": [],
-            "verified": {"apply_check": "ok", "test_without_patch": without["summary"],
-                         "test_with_patch": with_patch["summary"]},
-        }, indent=2) + "\n")
-        progress(f"  wrote {lay.rel(dest)} ({', '.join(patch_names)}); test fails without, passes with")
-        written.append(dest)
+    with scratch(lay.build, "pr-lines") as tmp_lines:
+        lines = blame.SeriesLines.build(lay.tree, tag, patches, Path(tmp_lines) / "series")
+        for u in units:
+            if _selected(u, only):
+                dest = _export_unit(lay, u, units, patches, lines, release, tag, out, remote)
+                if dest is not None:
+                    written.append(dest)
     if written:
         write_stack(lay, out, units, max_depth)
         # With --only, the bundles not rebuilt are checked too: a new patch can break an
@@ -479,6 +382,117 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
 
     report_drift(lay, written, {p.id: p.probes for p in patches})
     return written
+
+
+def _export_unit(lay: Layout, u, units: list, patches: list, lines, release: str, tag: str, out: Path,
+                 remote: str) -> Path | None:
+    """One unit's bundle in ``out/<id>``, verified (see :func:`export_from_base`); None for
+    a unit not forwarded."""
+    from harness.patchset.export import FORMAT_PATCH_FLAGS
+
+    for m in u.members:  # a member's own bundle from before it was grouped
+        if m.id != u.id and (out / m.id).exists():
+            shutil.rmtree(out / m.id)
+            progress(f"  removed {lay.rel(out / m.id)}: {m.id} goes upstream in {u.id}")
+    if not u.forwarded:
+        progress(f"{u.id}: Forwarded: {u.trailers.get('Forwarded', '?')}; no bundle")
+        if (out / u.id).exists():  # written while it was forwarded: not a PR now
+            shutil.rmtree(out / u.id)
+            progress(f"  removed {lay.rel(out / u.id)}, its earlier bundle")
+        return None
+    tmpl = template_for(u.id, lay.base)
+    if tmpl is None:
+        raise HarnessError(f"{u.members[0].name}: no upstream test template "
+                           f"harness/upstream/templates/{lay.base}/{u.id.replace('-', '_')}.py")
+    test_path, test_src = tmpl
+    body = u.body(test_path)
+    leaked = fork_paths(body)
+    if leaked:
+        raise HarnessError(f"{u.members[0].name}: the upstream body names fork paths outside its "
+                           f"Fork-Testing: paragraph: {', '.join(leaked)}")
+    progress(f"{u.id}: building PR bundle on sglang {release}"
+             + (f" ({' + '.join(u.ids)})" if u.grouped else ""))
+    dest = out / u.id
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    last = patches.index(u.members[-1])
+    prefix = [q for q in patches[:last] if q.id not in set(u.ids)]
+    with scratch(lay.build, "pr") as tmp:
+        repo = _pristine_clone(lay.tree, tag, Path(tmp) / "sglang")
+        deps, deps_from = _apply_alone_or_with_prefix(
+            repo, u, prefix, release,
+            lambda q: bundles.needed_patches(units, bundles.unit_of(units, q.id)),
+            lines, lambda q: bundles.unit_of(units, q.id).members)
+        n = len(u.members)
+        git(repo, "tag", "pr-base", f"HEAD~{n}")  # below the patch, above its deps
+        if n > 1:  # one commit: the first member's, holding them all
+            git(repo, "reset", "-q", "--soft", f"HEAD~{n - 1}")
+        (repo / test_path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / test_path).write_text(test_src)
+        git(repo, "add", "-f", test_path)
+        (Path(tmp) / "msg").write_text(u.subject + "\n\n" + body + "\n")
+        git(repo, "commit", "-q", "--amend", "--no-verify", "-F", str(Path(tmp) / "msg"))
+        pf = [Path(x) for x in git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest), "pr-base..HEAD").stdout.split()]
+        if deps:
+            git(repo, *FORMAT_PATCH_FLAGS, "-o", str(dest / "deps"), f"{tag}..pr-base")
+        stat = git(repo, "diff", "--stat", "pr-base..HEAD").stdout.rstrip()
+        # Test code the bundle adds beside its test (a shared scaffold under
+        # python/sglang/test/) goes into the run without the change too: that run
+        # is the change's tests on the release's code, so it fails on the bug,
+        # not on a missing import.
+        support = [x for x in git(repo, "diff", "--name-only", "--diff-filter=A", "pr-base..HEAD", "--",
+                                  TEST_SUPPORT).stdout.split() if x != test_path]
+        # Verify on fresh pristine trees, as a reviewer would: apply --check, then
+        # the test without the patch (must fail) and with it (must pass). The two
+        # runs are independent (each a fork that imports SGLang from its own tree:
+        # harness.zygote), so they go side by side on two trees.
+        without_tree, with_tree = (_test_tree(lay, name, tag) for name in ("without", "with"))
+        for tree in (without_tree, with_tree):
+            for d in sorted((dest / "deps").glob("*.patch")) if deps else []:
+                git(tree, "am", "--keep-cr", "--no-3way", str(d))
+        applied = git(with_tree, "apply", "--check", *map(str, pf), check=False)
+        if applied.returncode != 0:
+            raise HarnessError(f"{u.id}: bundle patch {pf[0].name} does not apply to pristine {release}: "
+                               + (applied.stderr.strip().splitlines() or ["git apply --check failed"])[0])
+        git(with_tree, "apply", *map(str, pf))  # adds the test too
+        (without_tree / test_path).parent.mkdir(parents=True, exist_ok=True)
+        (without_tree / test_path).write_text(test_src)
+        for rel in support:
+            (without_tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (without_tree / rel).write_text((repo / rel).read_text())
+        logs = [Path(tmp) / f"{name}.log" for name in ("without", "with")]
+        _settle()
+        statuses = zygote.shared(TEST_TIMEOUT).run([(without_tree, test_path, logs[0]), (with_tree, test_path, logs[1])])
+        without, with_patch = (_test_result(rc, log, tree) for rc, log, tree
+                               in zip(statuses, logs, (without_tree, with_tree)))
+    what = " + ".join(m.name for m in u.members)
+    if without["rc"] == 0:
+        raise HarnessError(f"{u.id}: {test_path} passes on pristine {release} without {what}: "
+                           "it does not test the bug")
+    if with_patch["rc"] != 0:
+        raise HarnessError(f"{u.id}: {test_path} fails on {release} with {what}: {with_patch['last']}")
+    (dest / "upstream_test.py").write_text(test_src)
+    patch_names = [f.name for f in pf]
+    (dest / "title.txt").write_text(u.subject + "\n")
+    dep_units = [x for x in units if set(x.ids) & {q.id for q in deps}]
+    desc = prbody.base_description(u, release, test_path, dep_units, stat, without, with_patch, body)
+    leaked = prbody.fork_markers(desc + "\n" + body)
+    if leaked:
+        raise HarnessError(f"{u.id}: the PR body carries the fork's {', '.join(leaked)}")
+    (dest / "description.md").write_text(desc)
+    (dest / "PUSH.md").write_text(_push(u.id, release, patch_names, deps, remote, test_path))
+    (dest / "bundle.json").write_text(json.dumps({
+        "id": u.id, "title": u.subject, "base_release": release, "base_tag": f"v{release}",
+        "members": u.ids, "patches": patch_names, "deps": [q.id for q in deps],
+        "deps_from": deps_from.split(" ", 1)[0], "test": test_path,
+        "branch": PUSH_REF.format(id=u.id), "notes": [],
+        "verified": {"apply_check": "ok", "test_without_patch": without["summary"],
+                     "test_with_patch": with_patch["summary"]},
+    }, indent=2) + "\n")
+    progress(f"  wrote {lay.rel(dest)} ({', '.join(patch_names)}); test fails without, passes with; "
+             f"{len(deps)} deps by {deps_from}")
+    return dest
 
 
 def _selected(u, only: list[str] | None) -> bool:
@@ -599,13 +613,37 @@ def _walk(prefix: list, files: set[str], want: set[str], needs_of) -> list:
     return taken[::-1]
 
 
-def _apply_alone_or_with_prefix(repo: Path, u, prefix: list, release: str, needs_of=lambda q: []) -> list:
+def _by_lines(start: list, prefix: list, lines, needs_of, members_of) -> list:
+    """The prefix patches ``start`` reads (:class:`blame.SeriesLines`): those that wrote a
+    line their hunks change or keep as context, and what those read in turn; a prefix
+    patch taken brings its whole unit (a PR merges whole) and the units its unit needs
+    (``start``'s own units are the caller's to add). In series order."""
+    position = {q.id: i for i, q in enumerate(lines.patches)}
+    allowed = {q.id for q in prefix}
+    seen: set[str] = set()
+    todo = list(start)
+    while todo:
+        q = todo.pop()
+        if q.id in seen:
+            continue
+        seen.add(q.id)
+        todo += [lines.patches[j] for j in lines.reads(position[q.id])]
+        if q.id in allowed:
+            todo += [*members_of(q), *needs_of(q)]
+    return [q for q in prefix if q.id in seen]
+
+
+def _apply_alone_or_with_prefix(repo: Path, u, prefix: list, release: str, needs_of=lambda q: [],
+                                lines=None, members_of=lambda q: [q]) -> tuple[list, str]:
     """``git am`` the unit's patches on the pristine release, after the units it needs
     (``needs_of(patch)``: :func:`bundles.needed_patches` of its unit) and what those
-    need; when that does not apply, after every earlier patch the unit needs
-    (:func:`_walk`: those that overlap it, and what they need). ``prefix``: the series
-    before the unit's last patch, without its own. Returned: the bundle's deps/, in
-    series order."""
+    need (with ``lines``, :func:`_by_lines`: what they read; else :func:`_walk`: every
+    earlier patch on their files); when that does not apply, after the earlier patches it
+    reads and they need (with ``lines``); when that does not apply either, after every
+    earlier patch on its files (:func:`_walk`: those that overlap it, and what they
+    need). ``prefix``: the series before the unit's last patch, without its own. Returned: the bundle's deps/,
+    in series order, and how they were found ("needs", "lines", or "files" with the
+    reason the lines were not enough)."""
     def am(patches: list) -> str | None:
         for q in patches:
             if git(repo, "am", "--keep-cr", "--no-3way", str(q.path), check=False).returncode != 0:
@@ -613,15 +651,27 @@ def _apply_alone_or_with_prefix(repo: Path, u, prefix: list, release: str, needs
                 return q.name
         return None
 
-    want = {n.id for m in u.members for n in needs_of(m)}
-    forced = _walk(prefix, set(), want, needs_of) if want else []
+    needed = [n for m in u.members for n in needs_of(m)]
+    want = {n.id for n in needed}
+    if lines is not None:
+        forced = _by_lines(needed, prefix, lines, needs_of, members_of)
+    else:
+        forced = _walk(prefix, set(), want, needs_of) if want else []
     start = git(repo, "rev-parse", "HEAD").stdout.strip()
     failed = am(forced)
-    if failed:
+    if failed and lines is None:
         raise HarnessError(f"{u.id}: prefix patch {failed} does not apply on {release}")
-    if am(u.members) is None:
-        return forced
+    if not failed and am(u.members) is None:
+        return forced, "needs"
     git(repo, "reset", "-q", "--hard", start)
+    how = "files"
+    if lines is not None:
+        read = _by_lines([*u.members, *needed], prefix, lines, needs_of, members_of)
+        failed = am(read) or am(u.members)
+        if failed is None:
+            return read, "lines"
+        how = f"files (on the patches it reads, {failed} does not apply)"
+        git(repo, "reset", "-q", "--hard", start)
     deps = _walk(prefix, set(u.files), want, needs_of)
     failed = am(deps)
     if failed:
@@ -629,7 +679,7 @@ def _apply_alone_or_with_prefix(repo: Path, u, prefix: list, release: str, needs
     failed = am(u.members)
     if failed:
         raise HarnessError(f"{u.id}: {failed} does not apply on {release}, alone or after its series prefix")
-    return deps
+    return deps, how
 
 
 def _test_result(rc: int, log: Path, tree: Path) -> dict[str, Any]:
