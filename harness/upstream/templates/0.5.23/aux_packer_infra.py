@@ -23,12 +23,8 @@ import unittest
 
 import torch
 
-from sglang.srt.layers.aux_hidden_states import (
-    AuxCaptureCountMixin,
-    AuxHiddenStatePacker,
-    AuxHiddenStatesWidthMixin,
-    count_aux_captures,
-)
+from sglang.srt.layers import aux_hidden_states
+from sglang.srt.layers.aux_hidden_states import AuxHiddenStatePacker
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -38,17 +34,21 @@ HIDDEN = 8
 T, H, K = 5, 4, 3
 
 
-class _Model(AuxCaptureCountMixin):
-    def __init__(self, start_layer, end_layer, layers_to_capture):
-        self.start_layer, self.end_layer = start_layer, end_layer
-        self.layers_to_capture = layers_to_capture
+# The helpers are looked up when a test runs, not at import: on a release without
+# them each test fails on its own, and the packer's checks still run.
+def _Model(start_layer, end_layer, layers_to_capture):
+    model = type("_Model", (aux_hidden_states.AuxCaptureCountMixin,), {})()
+    model.start_layer, model.end_layer = start_layer, end_layer
+    model.layers_to_capture = layers_to_capture
+    return model
 
 
-class _CausalLM(AuxHiddenStatesWidthMixin):
-    def __init__(self, model, capture):
-        self.model = model
-        self.capture_aux_hidden_states = capture
-        self.config = types.SimpleNamespace(hidden_size=HIDDEN)
+def _CausalLM(model, capture):
+    lm = type("_CausalLM", (aux_hidden_states.AuxHiddenStatesWidthMixin,), {})()
+    lm.model = model
+    lm.capture_aux_hidden_states = capture
+    lm.config = types.SimpleNamespace(hidden_size=HIDDEN)
+    return lm
 
 
 class TestAuxPackerInfra(CustomTestCase):
@@ -65,7 +65,9 @@ class TestAuxPackerInfra(CustomTestCase):
         )
         for ids, start, end, k in cases:
             with self.subTest(ids=ids, start=start, end=end):
-                self.assertEqual(count_aux_captures(ids, start, end), k)
+                self.assertEqual(
+                    aux_hidden_states.count_aux_captures(ids, start, end), k
+                )
                 self.assertEqual(_Model(start, end, ids).num_aux_captures(), k)
 
     def test_count_mixin_on_a_model_that_never_set_ids(self):

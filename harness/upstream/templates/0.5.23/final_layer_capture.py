@@ -23,11 +23,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from sglang.srt.layers.aux_hidden_states import (
-    final_layer_capture_post_norm,
-    resolve_final_layer_capture,
-    set_final_layer_capture,
-)
+from sglang.srt.layers import aux_hidden_states
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner_components import (
     attention_backend_setup,
@@ -96,7 +92,7 @@ def _build(model_cls, capture_ids, setting=None):
         model.llama_4_scaling_config = None
         model.next_full_attention_layer_id = {}
     if setting is not None:
-        set_final_layer_capture(model, setting)
+        aux_hidden_states.set_final_layer_capture(model, setting)
     return model
 
 
@@ -138,7 +134,7 @@ class TestFinalLayerCapture(CustomTestCase):
         for model_cls in (LlamaModel, DeepseekV2Model):
             with self.subTest(model=model_cls.__name__):
                 model = _build(model_cls, CAPTURE_IDS)
-                self.assertFalse(final_layer_capture_post_norm(model))
+                self.assertFalse(aux_hidden_states.final_layer_capture_post_norm(model))
                 embeds = torch.randn(TOKENS, HIDDEN)
                 _, aux = _forward(model, embeds.clone())
                 torch.testing.assert_close(aux[-1], _stream_after(embeds, NUM_LAYERS))
@@ -188,13 +184,15 @@ class TestFinalLayerCapture(CustomTestCase):
 class TestResolveFinalLayerCapture(CustomTestCase):
     def test_default_is_pre_norm(self):
         self.assertEqual(
-            resolve_final_layer_capture(None, None, "eagle_config"), "pre_norm"
+            aux_hidden_states.resolve_final_layer_capture(None, None, "eagle_config"),
+            "pre_norm",
         )
         self.assertEqual(
-            resolve_final_layer_capture(None, {}, "eagle_config"), "pre_norm"
+            aux_hidden_states.resolve_final_layer_capture(None, {}, "eagle_config"),
+            "pre_norm",
         )
         self.assertEqual(
-            resolve_final_layer_capture(
+            aux_hidden_states.resolve_final_layer_capture(
                 None, {"eagle_aux_hidden_state_layer_ids": [1, 2]}, "eagle_config"
             ),
             "pre_norm",
@@ -205,31 +203,45 @@ class TestResolveFinalLayerCapture(CustomTestCase):
             with self.subTest(value=value):
                 draft = {"target_layer_ids": [0, 3], "final_layer_capture": value}
                 self.assertEqual(
-                    resolve_final_layer_capture(None, draft, "dflash_config"), value
+                    aux_hidden_states.resolve_final_layer_capture(
+                        None, draft, "dflash_config"
+                    ),
+                    value,
                 )
 
     def test_server_value_over_draft_config(self):
         draft = {"final_layer_capture": "post_norm"}
         self.assertEqual(
-            resolve_final_layer_capture("pre_norm", draft, "eagle_config"), "pre_norm"
+            aux_hidden_states.resolve_final_layer_capture(
+                "pre_norm", draft, "eagle_config"
+            ),
+            "pre_norm",
         )
         draft = {"final_layer_capture": "pre_norm"}
         self.assertEqual(
-            resolve_final_layer_capture("post_norm", draft, "eagle_config"),
+            aux_hidden_states.resolve_final_layer_capture(
+                "post_norm", draft, "eagle_config"
+            ),
             "post_norm",
         )
         self.assertEqual(
-            resolve_final_layer_capture("post_norm", None, "eagle_config"), "post_norm"
+            aux_hidden_states.resolve_final_layer_capture(
+                "post_norm", None, "eagle_config"
+            ),
+            "post_norm",
         )
 
     def test_draft_config_object(self):
         # A draft config section given as a config object, not a dict.
         draft = types.SimpleNamespace(final_layer_capture="post_norm")
         self.assertEqual(
-            resolve_final_layer_capture(None, draft, "eagle_config"), "post_norm"
+            aux_hidden_states.resolve_final_layer_capture(None, draft, "eagle_config"),
+            "post_norm",
         )
         self.assertEqual(
-            resolve_final_layer_capture(None, types.SimpleNamespace(), "eagle_config"),
+            aux_hidden_states.resolve_final_layer_capture(
+                None, types.SimpleNamespace(), "eagle_config"
+            ),
             "pre_norm",
         )
 
@@ -249,7 +261,7 @@ class TestResolveFinalLayerCapture(CustomTestCase):
         ):
             with self.subTest(hf_config=hf_config):
                 self.assertEqual(
-                    resolve_final_layer_capture(
+                    aux_hidden_states.resolve_final_layer_capture(
                         None,
                         *spec_aux_hidden_state._block_draft_capture_config(
                             hf_config, is_dspark=True
@@ -258,7 +270,7 @@ class TestResolveFinalLayerCapture(CustomTestCase):
                     want,
                 )
         with self.assertRaisesRegex(ValueError, "dspark_config.final_layer_capture"):
-            resolve_final_layer_capture(
+            aux_hidden_states.resolve_final_layer_capture(
                 None,
                 *spec_aux_hidden_state._block_draft_capture_config(
                     {"dspark_final_layer_capture": "after"}, is_dspark=True
@@ -267,15 +279,17 @@ class TestResolveFinalLayerCapture(CustomTestCase):
 
     def test_unknown_values_raise(self):
         with self.assertRaisesRegex(ValueError, "dflash_config.final_layer_capture"):
-            resolve_final_layer_capture(
+            aux_hidden_states.resolve_final_layer_capture(
                 None, {"final_layer_capture": "after_norm"}, "dflash_config"
             )
         with self.assertRaisesRegex(ValueError, "--speculative-final-layer-capture"):
-            resolve_final_layer_capture("postnorm", None, "eagle_config")
+            aux_hidden_states.resolve_final_layer_capture(
+                "postnorm", None, "eagle_config"
+            )
         model = _build(LlamaModel, CAPTURE_IDS)
         with self.assertRaises(ValueError):
-            set_final_layer_capture(model, "normed")
-        self.assertFalse(final_layer_capture_post_norm(model))
+            aux_hidden_states.set_final_layer_capture(model, "normed")
+        self.assertFalse(aux_hidden_states.final_layer_capture_post_norm(model))
 
 
 class TestInLoopModelsRefusePostNorm(CustomTestCase):
@@ -311,7 +325,7 @@ class TestInLoopModelsRefusePostNorm(CustomTestCase):
                 with self.assertRaisesRegex(ValueError, model_cls.__name__):
                     self._configure(model, "post_norm")
                 self.assertEqual(calls, [])
-                self.assertFalse(final_layer_capture_post_norm(model))
+                self.assertFalse(aux_hidden_states.final_layer_capture_post_norm(model))
                 self._configure(model, "pre_norm")
                 self.assertEqual(calls, [[0, 1]])
 
@@ -329,7 +343,7 @@ class TestInLoopModelsRefusePostNorm(CustomTestCase):
         wrapper = Wrapper()
         self._configure(wrapper, "post_norm")
         self.assertEqual(wrapper.model.layers_to_capture, [1, 2])
-        self.assertTrue(final_layer_capture_post_norm(wrapper.model))
+        self.assertTrue(aux_hidden_states.final_layer_capture_post_norm(wrapper.model))
         self.assertFalse(hasattr(wrapper, "final_layer_capture"))
 
 

@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from sglang.srt.layers.aux_hidden_states import resolve_deepstack_capture
+from sglang.srt.layers import aux_hidden_states
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -242,23 +242,30 @@ class TestQwen3VLDeepstackCapture(CustomTestCase):
 class TestDeepstackCaptureSetting(CustomTestCase):
     def test_server_value_over_draft_config_over_model_default(self):
         draft = {"deepstack_capture": "pre_deepstack"}
-        self.assertIsNone(resolve_deepstack_capture(None, None, "eagle_config"))
-        self.assertIsNone(resolve_deepstack_capture(None, {}, "eagle_config"))
-        self.assertEqual(
-            resolve_deepstack_capture(None, draft, "eagle_config"), "pre_deepstack"
+        self.assertIsNone(
+            aux_hidden_states.resolve_deepstack_capture(None, None, "eagle_config")
+        )
+        self.assertIsNone(
+            aux_hidden_states.resolve_deepstack_capture(None, {}, "eagle_config")
         )
         self.assertEqual(
-            resolve_deepstack_capture("post_deepstack", draft, "eagle_config"),
+            aux_hidden_states.resolve_deepstack_capture(None, draft, "eagle_config"),
+            "pre_deepstack",
+        )
+        self.assertEqual(
+            aux_hidden_states.resolve_deepstack_capture(
+                "post_deepstack", draft, "eagle_config"
+            ),
             "post_deepstack",
         )
 
     def test_unknown_values_raise_naming_their_source(self):
         with self.assertRaisesRegex(ValueError, "dflash_config.deepstack_capture"):
-            resolve_deepstack_capture(
+            aux_hidden_states.resolve_deepstack_capture(
                 None, {"deepstack_capture": "after"}, "dflash_config"
             )
         with self.assertRaisesRegex(ValueError, "--speculative-deepstack-capture"):
-            resolve_deepstack_capture("pre", None, "eagle_config")
+            aux_hidden_states.resolve_deepstack_capture("pre", None, "eagle_config")
         model = _model(Qwen3LLMModel, False)
         with self.assertRaisesRegex(ValueError, "deepstack_capture"):
             model.set_deepstack_capture("PRE_DEEPSTACK")
