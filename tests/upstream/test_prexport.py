@@ -280,7 +280,7 @@ def test_bundle_test_must_pass_on_the_whole_series(tmp_path, monkeypatch):
 
 def test_only_still_checks_the_other_bundles_on_the_whole_series(tmp_path, monkeypatch):
     """``--only`` a later patch: the earlier bundles' tests run on the whole series too,
-    since the later patch can break them (as a packer family broke 0002's template)."""
+    since the later patch can break them (as a packer family broke models-capture-final-layer's template)."""
     from harness import HarnessError
     from harness.upstream.prexport import export_from_base
 

@@ -18,7 +18,7 @@ Captures: DFlash only (``set_dflash_layers_to_capture`` stores its ids as captur
 indices, no + 1): index i is the stream entering layer i (420-423 pristine), index
 ``len(layers)`` the last layer's output after the loop, either side of the final norm
 (``post_norm``); pristine 0.5.23 never captures it and its setter refuses the id
-(C, fixed by 0002); a plain list (B). The spec sets ``layers_to_capture`` (capture
+(C, fixed by 0004); a plain list (B). The spec sets ``layers_to_capture`` (capture
 indices) directly.
 """
 
