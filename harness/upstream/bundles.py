@@ -124,6 +124,21 @@ def _fill(text: str) -> str:
     return "\n\n".join(out)
 
 
+def max_depth(templates: Path) -> int | None:
+    """The deepest chain of PRs the export accepts for this base (``max_depth`` at the top
+    of ``bundles.toml``, a ratchet: lower it as the series is re-cut); None if unset."""
+    path = templates / FILE
+    if not path.exists():
+        return None
+    try:
+        value = tomllib.loads(path.read_text()).get("max_depth")
+    except tomllib.TOMLDecodeError as e:
+        raise HarnessError(f"{path.name}: {e}") from None
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise HarnessError(f"{path.name}: max_depth = {value!r}: a whole number of PRs, 1 or more")
+    return value
+
+
 def load(templates: Path, patches: list[Any]) -> list[Unit]:
     """The series' upstream units, in series order (a bundle where its first member
     is). A malformed ``bundles.toml`` is one error naming the file and the entry."""

@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote", default="<remote>", help="remote name for the push command")
     p.add_argument("--out", type=Path, help="output dir (default: build/pr)")
     p.add_argument("--max-depth", type=int, metavar="N",
-                   help="refuse a stack of bundles deeper than N PRs (default: report it in "
-                        "stack.json, refuse nothing)")
+                   help="refuse a stack of bundles deeper than N PRs (default: max_depth in the "
+                        "base's bundles.toml; unset there, refuse nothing)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,9 +79,12 @@ def write_stack(lay: Layout, out: Path, units: list, max_depth: int | None) -> d
     stacks on (those holding its ``deps``), each one's depth and longest chain. Refuses a
     chain deeper than ``max_depth`` in one line naming it."""
     owner = {pid: u.id for u in units for pid in u.ids}
+    current = {u.id for u in units}
     needs: dict[str, list[str]] = {}
     for meta_file in sorted(out.glob("*/bundle.json")):
         meta = json.loads(meta_file.read_text())
+        if meta["id"] not in current:  # a bundle the series no longer has
+            continue
         needs[meta["id"]] = sorted({owner.get(d, d) for d in meta["deps"]} - {meta["id"]})
     for deps in list(needs.values()):  # a dep whose bundle is not in out: a leaf here
         for d in deps:
@@ -360,9 +363,16 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
         raise HarnessError(f"{lay.rel(lay.tree)}: no tag {tag}; rebuild it with `make apply-patches BASE={release} FORCE=1`")
     patches = load_series(lay)
     units = bundles.load(TEMPLATES / lay.base, patches)
+    if max_depth is None:
+        max_depth = bundles.max_depth(TEMPLATES / lay.base)
     out = out or lay.build / "pr"
     written: list[Path] = []
     lock = _lock_trees(lay)  # noqa: F841 (held until this function returns)
+    if not only:  # a bundle directory no unit of the series writes any more
+        for meta_file in sorted(out.glob("*/bundle.json")):
+            if meta_file.parent.name not in {u.id for u in units}:
+                shutil.rmtree(meta_file.parent)
+                progress(f"removed {lay.rel(meta_file.parent)}: no bundle of the series has that id")
     with scratch(lay.build, "pr-lines") as tmp_lines:
         lines = blame.SeriesLines.build(lay.tree, tag, patches, Path(tmp_lines) / "series")
         for u in units:

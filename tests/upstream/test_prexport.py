@@ -607,3 +607,36 @@ def test_stack_json_is_written_and_a_depth_over_the_limit_refused(tmp_path):
     assert write_stack(lay, tmp_path, units, 3)["max_depth"] == 3
     with pytest.raises(HarnessError, match=r"vl stacks 3 PRs deep \(infra -> plain -> vl\), over --max-depth 2"):
         write_stack(lay, tmp_path, units, 2)
+
+
+def test_bundles_toml_max_depth_is_the_exports_default_limit(tmp_path):
+    """``max_depth`` at the top of a base's bundles.toml is the deepest chain the export
+    accepts without --max-depth (a ratchet); absent, nothing is refused; anything but a
+    whole number of PRs is one line naming the file."""
+    from harness import HarnessError
+    from harness.upstream import bundles
+
+    assert bundles.max_depth(tmp_path) is None
+    (tmp_path / "bundles.toml").write_text('max_depth = 5\n\n[[bundle]]\nid = "x"\n')
+    assert bundles.max_depth(tmp_path) == 5
+    for bad in ("0", '"5"', "true", "2.5"):
+        (tmp_path / "bundles.toml").write_text(f"max_depth = {bad}\n")
+        with pytest.raises(HarnessError, match=r"^bundles.toml: max_depth = .*: a whole number of PRs, 1 or more$"):
+            bundles.max_depth(tmp_path)
+    shipped = Path(__file__).resolve().parents[2] / "harness/upstream/templates/0.5.23"
+    assert bundles.max_depth(shipped) is not None
+
+
+def test_stack_counts_only_the_series_bundles(tmp_path):
+    """A bundle directory left from an id the series no longer has (a renamed bundle) is
+    not part of the stack."""
+    import types
+
+    from harness.upstream.prexport import write_stack
+
+    units = [types.SimpleNamespace(id="infra", ids=["infra"]), types.SimpleNamespace(id="vl", ids=["vl"])]
+    for bid, deps in (("infra", []), ("vl", ["infra"]), ("old-name", ["vl"])):
+        (tmp_path / bid).mkdir()
+        (tmp_path / bid / "bundle.json").write_text(json.dumps({"id": bid, "deps": deps}))
+    g = write_stack(types.SimpleNamespace(rel=lambda p: p.name), tmp_path, units, None)
+    assert g["needs"] == {"infra": [], "vl": ["infra"]} and g["max_depth"] == 2

@@ -11,7 +11,10 @@ each capture is copied once into its slot of one [T, K * H] buffer, which is
 what the forward returns and what pack_aux_hidden_states hands on unchanged. A
 DFlash decode CUDA graph passes a slice of one shared buffer on the batch
 (aux_hidden_states_buffer), sized by get_aux_hidden_states_width on each
-CausalLM and on the multimodal wrappers that run them.
+CausalLM and on the multimodal wrappers that run them. Qwen3-VL's language models
+(Qwen3LLMModel, Qwen3MoeLLMModel: Qwen3Model and Qwen3MoeModel subclasses) run the same
+loop with deepstack embeddings joining the stream after the first layers; their
+wrappers are the CausalLMs.
 
 Every test runs over the table MODELS, one subTest per model. Runs on CPU
 without a GPU or a checkpoint: decoder layers and norms are small stand-ins
@@ -76,6 +79,11 @@ from sglang.srt.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
 from sglang.srt.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
 from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
+from sglang.srt.models.qwen3_vl import Qwen3LLMModel, Qwen3VLForConditionalGeneration
+from sglang.srt.models.qwen3_vl_moe import (
+    Qwen3MoeLLMModel,
+    Qwen3VLMoeForConditionalGeneration,
+)
 from sglang.test.aux_capture_test_utils import (
     InPlaceNorm,
     StreamLayer,
@@ -445,6 +453,155 @@ class TestAuxPackerPlainLoops(CustomTestCase):
             with self.subTest(model=lm_cls.__name__):
                 lm = _new(lm_cls, model=model, config=CONFIG, pp_group=ONLY_RANK)
                 self.assertEqual(lm.get_aux_hidden_states_width(), 0)
+
+
+# ---------------------------------------------------------------------------
+# Qwen3-VL's language models: the loop of Qwen3Model / Qwen3MoeModel, with the
+# deepstack embeddings added to the stream after layers 0 .. NUM_DEEPSTACK - 1.
+# ---------------------------------------------------------------------------
+
+NUM_DEEPSTACK = 3
+# id i: the stream entering layer i; NUM_LAYERS: the last layer's output, taken at
+# the final norm.
+VL_IDS = (1, 3, NUM_LAYERS)
+VL_MODELS = (
+    (Qwen3LLMModel, Qwen3VLForConditionalGeneration),
+    (Qwen3MoeLLMModel, Qwen3VLMoeForConditionalGeneration),
+)
+
+
+def _vl_model(model_cls, ids=()):
+    return _new(
+        model_cls,
+        layers=nn.ModuleList(StreamLayer(i) for i in range(NUM_LAYERS)),
+        start_layer=0,
+        end_layer=NUM_LAYERS,
+        layers_to_capture=list(ids),
+        norm=InPlaceNorm(),
+        pp_group=ONLY_RANK,
+        hidden_size=HIDDEN,
+        deepstack_embed_to_decoder_layer=range(NUM_DEEPSTACK),
+        use_hf_deepstack_order=False,
+    )
+
+
+def _vl_wrapper(wrapper_cls, language_model):
+    return _new(
+        wrapper_cls,
+        model=language_model,
+        config=CONFIG,
+        pp_group=ONLY_RANK,
+        capture_aux_hidden_states=False,
+    )
+
+
+def _vl_forward(model, embeds, deepstack=None, buffer=None):
+    extra = {} if deepstack is None else {"input_deepstack_embeds": deepstack}
+    with torch.no_grad():
+        return model.forward(
+            input_ids=None,
+            positions=torch.arange(embeds.shape[0]),
+            forward_batch=forward_batch(
+                ForwardMode.EXTEND if embeds.shape[0] else ForwardMode.IDLE, buffer
+            ),
+            input_embeds=embeds.clone(),
+            **extra,
+        )
+
+
+def _vl_reference(embeds, deepstack=None):
+    """The value of each capture id, and the final norm's output."""
+    values, x = [], embeds
+    for j in range(NUM_LAYERS):
+        values.append(x)
+        x = x + float(j + 1)
+        if deepstack is not None and j < NUM_DEEPSTACK:
+            x = x + deepstack[:, j * HIDDEN : (j + 1) * HIDDEN]
+    return values + [x], x * 0.5
+
+
+def _vl_cases():
+    for model_cls, wrapper_cls in VL_MODELS:
+        for deepstack in (False, True):
+            embeds = torch.randn(TOKENS, HIDDEN)
+            stack = torch.randn(TOKENS, NUM_DEEPSTACK * HIDDEN) if deepstack else None
+            name = model_cls.__name__ + ("+deepstack" if deepstack else "")
+            yield name, model_cls, wrapper_cls, embeds, stack
+
+
+class TestQwen3VLLanguageModelsPack(CustomTestCase):
+    def test_forward_returns_one_packed_buffer(self):
+        for name, model_cls, _, embeds, stack in _vl_cases():
+            with self.subTest(model=name):
+                hidden, aux = _vl_forward(_vl_model(model_cls, VL_IDS), embeds, stack)
+                values, final = _vl_reference(embeds, stack)
+                self.assertIsInstance(aux, torch.Tensor)
+                expected = torch.cat([values[i] for i in VL_IDS], dim=-1)
+                torch.testing.assert_close(aux, expected)
+                torch.testing.assert_close(hidden, final)
+                self.assertIs(pack_aux_hidden_states(aux), aux)
+
+    def test_post_norm_last_capture_is_the_final_norm_output(self):
+        for name, model_cls, _, embeds, stack in _vl_cases():
+            with self.subTest(model=name):
+                model = _vl_model(model_cls, VL_IDS)
+                set_final_layer_capture(model, "post_norm")
+                hidden, aux = _vl_forward(model, embeds, stack)
+                values, final = _vl_reference(embeds, stack)
+                expected = [values[i] for i in VL_IDS[:-1]] + [final]
+                torch.testing.assert_close(aux, torch.cat(expected, dim=-1))
+                self.assertNotEqual(
+                    aux.untyped_storage().data_ptr(),
+                    hidden.untyped_storage().data_ptr(),
+                )
+
+    def test_decode_graph_buffer_is_filled_in_place(self):
+        ids = (VL_IDS[0], VL_IDS[-1])
+        for name, model_cls, _, embeds, stack in _vl_cases():
+            with self.subTest(model=name):
+                shared = torch.full((TOKENS + 3, len(ids) * HIDDEN), float("nan"))
+                _, aux = _vl_forward(
+                    _vl_model(model_cls, ids), embeds, stack, buffer=shared[:TOKENS]
+                )
+                self.assertEqual(
+                    aux.untyped_storage().data_ptr(),
+                    shared.untyped_storage().data_ptr(),
+                )
+                values, _ = _vl_reference(embeds, stack)
+                expected = torch.cat([values[i] for i in ids], dim=-1)
+                torch.testing.assert_close(shared[:TOKENS], expected)
+                self.assertTrue(torch.isnan(shared[TOKENS:]).all())
+
+    def test_idle_batch_and_no_capture(self):
+        for model_cls, _ in VL_MODELS:
+            with self.subTest(model=model_cls.__name__):
+                hidden, aux = _vl_forward(
+                    _vl_model(model_cls, VL_IDS), torch.zeros(0, HIDDEN)
+                )
+                self.assertEqual(tuple(aux.shape), (0, len(VL_IDS) * HIDDEN))
+                embeds = torch.randn(TOKENS, HIDDEN)
+                out = _vl_forward(_vl_model(model_cls), embeds)
+                self.assertIsInstance(out, torch.Tensor)
+                torch.testing.assert_close(out, _vl_reference(embeds)[1])
+
+    def test_wrapper_reports_the_packed_width(self):
+        for model_cls, wrapper_cls in VL_MODELS:
+            with self.subTest(model=wrapper_cls.__name__):
+                lm = _vl_wrapper(wrapper_cls, _vl_model(model_cls))
+                self.assertEqual(lm.get_aux_hidden_states_width(), 0)
+                lm.set_dflash_layers_to_capture([0, 2, NUM_LAYERS - 1])
+                width = lm.get_aux_hidden_states_width()
+                self.assertEqual(width, 3 * HIDDEN)
+                shared = torch.full((TOKENS, width), float("nan"))
+                _, aux = _vl_forward(
+                    lm.model, torch.randn(TOKENS, HIDDEN), buffer=shared
+                )
+                self.assertFalse(torch.isnan(shared).any())
+                # A wrapper over a language model that does not pack: no width.
+                other = _vl_wrapper(wrapper_cls, nn.Module())
+                other.set_dflash_layers_to_capture([0, 2, NUM_LAYERS - 1])
+                self.assertTrue(other.capture_aux_hidden_states)
+                self.assertEqual(other.get_aux_hidden_states_width(), 0)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-# upstream-path: test/registered/unit/models/test_aux_packer_fused_and_vl.py
-"""Models with looped, fused or multimodal forwards pack their EAGLE3/DFlash aux
+# upstream-path: test/registered/unit/models/test_aux_packer_fused_loops.py
+"""Models with looped or fused forwards pack their EAGLE3/DFlash aux
 hidden states into one buffer.
 
 A list of K captures that the logits processor concatenates holds the captures
@@ -8,8 +8,6 @@ into AuxHiddenStatePacker instead, each capture written once into its slot of
 one [T, K * H] buffer, which is what the forward returns and what
 pack_aux_hidden_states hands on unchanged:
 
-- Qwen3LLMModel / Qwen3MoeLLMModel (Qwen3-VL, Qwen3-VL-MoE), deepstack
-  embeddings joining the stream after the first layers;
 - NanbeigeModel, a looped model whose capture ids are unrolled
   (loop_idx * num_hidden_layers + i), with or without the norm between loops;
 - InklingCausalLLM, whose taps are taken before each layer's deferred short
@@ -58,11 +56,6 @@ from sglang.srt.models.muse_spark import (
     MuseSparkTextForCausalLM,
 )
 from sglang.srt.models.nanbeige import NanbeigeForCausalLM, NanbeigeModel
-from sglang.srt.models.qwen3_vl import Qwen3LLMModel, Qwen3VLForConditionalGeneration
-from sglang.srt.models.qwen3_vl_moe import (
-    Qwen3MoeLLMModel,
-    Qwen3VLMoeForConditionalGeneration,
-)
 from sglang.test.aux_capture_test_utils import (
     InPlaceNorm,
     StreamLayer,
@@ -76,7 +69,6 @@ register_cpu_ci(est_time=15, suite="base-a-test-cpu")
 HIDDEN = 8
 TOKENS = 5
 NUM_LAYERS = 4
-NUM_DEEPSTACK = 3  # Qwen3-VL: deepstack embeddings join after layers 0 .. 2
 NUM_LOOPS = 2  # Nanbeige: unrolled capture ids 0 .. NUM_LOOPS * NUM_LAYERS
 
 
@@ -122,7 +114,7 @@ def _nan_buffer(rows, width, dtype):
 
 
 def _stream_layers():
-    # On the real residual stream (Qwen3-VL, Nanbeige): layer k adds k + 1 in
+    # On the real residual stream (Nanbeige): layer k adds k + 1 in
     # every loop.
     return nn.ModuleList(StreamLayer(i) for i in range(NUM_LAYERS))
 
@@ -236,60 +228,6 @@ class _Family:
 
     def language_model(self, lm):
         return lm.model
-
-
-class _Qwen3VL(_Family):
-    # id i: the stream entering layer i; NUM_LAYERS: the last layer's output,
-    # taken at the final norm.
-    ids = (1, 3, NUM_LAYERS)
-    post_norm = True
-
-    def __init__(self, model_cls, wrapper_cls, deepstack):
-        self.model_cls = model_cls
-        self.wrapper_cls = wrapper_cls
-        self.deepstack = deepstack
-        self.name = model_cls.__name__ + ("+deepstack" if deepstack else "")
-
-    def build(self, ids=()):
-        model = _stub(self.model_cls)
-        model.layers = _stream_layers()
-        model.start_layer, model.end_layer = 0, NUM_LAYERS
-        model.layers_to_capture = list(ids)
-        model.norm = InPlaceNorm()
-        model.pp_group = _pp()
-        model.hidden_size = HIDDEN
-        model.deepstack_embed_to_decoder_layer = range(NUM_DEEPSTACK)
-        model.use_hf_deepstack_order = False
-        return model
-
-    def inputs(self, tokens=TOKENS):
-        embeds, extra = super().inputs(tokens)
-        if self.deepstack:
-            extra["input_deepstack_embeds"] = torch.randn(
-                tokens, NUM_DEEPSTACK * HIDDEN
-            )
-        return embeds, extra
-
-    def reference(self, model, embeds, input_deepstack_embeds=None):
-        values, x = [], embeds
-        for j in range(NUM_LAYERS):
-            values.append(x)
-            x = x + float(j + 1)
-            if input_deepstack_embeds is not None and j < NUM_DEEPSTACK:
-                x = x + input_deepstack_embeds[:, j * HIDDEN : (j + 1) * HIDDEN]
-        return values + [x], x * 0.5
-
-    def causal_lm(self):
-        return _qwen3_vl_wrapper(self.wrapper_cls, self.build())
-
-
-def _qwen3_vl_wrapper(wrapper_cls, language_model):
-    lm = _stub(wrapper_cls)
-    lm.model = language_model
-    lm.config = types.SimpleNamespace(hidden_size=HIDDEN, num_hidden_layers=NUM_LAYERS)
-    lm.pp_group = _pp()
-    lm.capture_aux_hidden_states = False
-    return lm
 
 
 class _Nanbeige(_Family):
@@ -499,10 +437,6 @@ class _MuseSpark(_Family):
 
 
 FAMILIES = (
-    _Qwen3VL(Qwen3LLMModel, Qwen3VLForConditionalGeneration, deepstack=False),
-    _Qwen3VL(Qwen3LLMModel, Qwen3VLForConditionalGeneration, deepstack=True),
-    _Qwen3VL(Qwen3MoeLLMModel, Qwen3VLMoeForConditionalGeneration, deepstack=False),
-    _Qwen3VL(Qwen3MoeLLMModel, Qwen3VLMoeForConditionalGeneration, deepstack=True),
     _Nanbeige(skip_loop_final_norm=False),
     _Nanbeige(skip_loop_final_norm=True),
     _Inkling(),
@@ -512,7 +446,7 @@ FAMILIES = (
 )
 
 
-class TestAuxPackerFusedAndVL(CustomTestCase):
+class TestAuxPackerFusedForwards(CustomTestCase):
     def assertSameValues(self, family, actual, expected):
         # Shape and dtype included.
         tolerance = dict(rtol=0, atol=0) if family.exact else {}
@@ -625,19 +559,6 @@ class TestAuxPackerFusedAndVL(CustomTestCase):
                 _, aux = _forward(family.language_model(lm), embeds, extra, shared)
                 self.assertSameStorage(aux, shared)
                 self.assertFalse(torch.isnan(shared).any())
-
-    def test_qwen3_vl_wrapper_over_a_non_packing_model_reports_no_width(self):
-        # A subclass wrapper may run a language model of its own: no decode graph
-        # buffer for a model that does not count (and pack) its captures.
-        for wrapper_cls in (
-            Qwen3VLForConditionalGeneration,
-            Qwen3VLMoeForConditionalGeneration,
-        ):
-            with self.subTest(model=wrapper_cls.__name__):
-                lm = _qwen3_vl_wrapper(wrapper_cls, nn.Module())
-                lm.set_dflash_layers_to_capture([0, 2, NUM_LAYERS - 1])
-                self.assertTrue(lm.capture_aux_hidden_states)
-                self.assertEqual(lm.get_aux_hidden_states_width(), 0)
 
     def test_beam_pipeline_stage_counts_its_own_layers(self):
         # A stage packs the listed outputs of its own layers only.
