@@ -23,16 +23,24 @@ from harness.patchset.git import git
 HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@")
 
 
+class Unreadable(Exception):
+    """What a patch reads cannot be told from its diff (a quoted path, a failed blame)."""
+
+
 def preimage_ranges(patch_text: str) -> dict[str, list[tuple[int, int]]]:
     """Per file the patch changes (not one it creates), each hunk's pre-image as (first
-    line, line count); a hunk that only adds to an empty range has none."""
+    line, line count); a hunk that only adds to an empty range has none. A path git
+    quotes (non-ASCII, control characters) is :class:`Unreadable`."""
     out: dict[str, list[tuple[int, int]]] = {}
     path, header = None, False
-    for line in patch_text.splitlines():
+    for line in patch_text.split("\n"):
         if line.startswith("diff --git "):
             path, header = None, True
+        elif header and line.startswith('--- "'):
+            raise Unreadable(f"a quoted path: {line[4:]}")
         elif header and line.startswith("--- "):
-            path = line[len("--- a/"):] if line.startswith("--- a/") else None
+            # git ends the name with a TAB when it holds a space
+            path = line[len("--- a/"):].rstrip("\t") if line.startswith("--- a/") else None
         elif line.startswith("@@ "):
             header = False
             m = HUNK.match(line)
@@ -68,15 +76,21 @@ class SeriesLines:
 
     def reads(self, i: int) -> frozenset[int]:
         """The positions of the earlier patches that wrote a line of patch ``i``'s
-        hunks' pre-images."""
+        hunks' pre-images (the hunks of its commit here, as applied); one that cannot be
+        told is :class:`Unreadable`."""
         if i not in self._reads:
+            commit = self.commits[i]
+            diff = git(self.repo, "diff", "--no-color", "--no-ext-diff", "-U3", f"{commit}^", commit).stdout
             found: set[int] = set()
-            for path, ranges in preimage_ranges(self.patches[i].text).items():
+            for path, ranges in preimage_ranges(diff).items():
                 spans = [a for start, count in ranges for a in ("-L", f"{start},+{count}")]
-                out = git(self.repo, "blame", "--porcelain", *spans, f"{self.commits[i]}^", "--", path).stdout
-                for line in out.splitlines():
-                    j = self.position.get(line.split(" ", 1)[0])
-                    if j is not None:
-                        found.add(j)
+                res = git(self.repo, "blame", "--porcelain", *spans, f"{commit}^", "--", path, check=False)
+                if res.returncode != 0:
+                    raise Unreadable(f"git blame {path}: {(res.stderr.strip().splitlines() or ['failed'])[0]}")
+                for line in res.stdout.split("\n"):
+                    if not line.startswith("\t"):  # a header line; content starts with a TAB
+                        j = self.position.get(line.split(" ", 1)[0])
+                        if j is not None:
+                            found.add(j)
             self._reads[i] = frozenset(found)
         return self._reads[i]

@@ -368,11 +368,6 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
     out = out or lay.build / "pr"
     written: list[Path] = []
     lock = _lock_trees(lay)  # noqa: F841 (held until this function returns)
-    if not only:  # a bundle directory no unit of the series writes any more
-        for meta_file in sorted(out.glob("*/bundle.json")):
-            if meta_file.parent.name not in {u.id for u in units}:
-                shutil.rmtree(meta_file.parent)
-                progress(f"removed {lay.rel(meta_file.parent)}: no bundle of the series has that id")
     with scratch(lay.build, "pr-lines") as tmp_lines:
         lines = blame.SeriesLines.build(lay.tree, tag, patches, Path(tmp_lines) / "series")
         for u in units:
@@ -380,6 +375,8 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
                 dest = _export_unit(lay, u, units, patches, lines, release, tag, out, remote)
                 if dest is not None:
                     written.append(dest)
+    if not only:
+        _remove_stale(lay, out, units, release)
     if written:
         write_stack(lay, out, units, max_depth)
         # With --only, the bundles not rebuilt are checked too: a new patch can break an
@@ -392,6 +389,17 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
 
     report_drift(lay, written, {p.id: p.probes for p in patches})
     return written
+
+
+def _remove_stale(lay: Layout, out: Path, units: list, release: str) -> None:
+    """Remove the bundles of this base's release in ``out`` that no unit of the series
+    writes any more (a renamed or dropped bundle); another base's stay."""
+    ids = {u.id for u in units}
+    for meta_file in sorted(out.glob("*/bundle.json")):
+        meta = json.loads(meta_file.read_text())
+        if meta.get("base_release") == release and "members" in meta and meta.get("id") not in ids:
+            shutil.rmtree(meta_file.parent)
+            progress(f"removed {lay.rel(meta_file.parent)}: the {release} series has no bundle {meta.get('id')}")
 
 
 def _export_unit(lay: Layout, u, units: list, patches: list, lines, release: str, tag: str, out: Path,
@@ -481,7 +489,9 @@ def _export_unit(lay: Layout, u, units: list, patches: list, lines, release: str
         raise HarnessError(f"{u.id}: {test_path} passes on pristine {release} without {what}: "
                            "it does not test the bug")
     if with_patch["rc"] != 0:
-        raise HarnessError(f"{u.id}: {test_path} fails on {release} with {what}: {with_patch['last']}")
+        hint = ("; it has the PRs whose lines it reads: name one it needs otherwise in bundles.toml [needs]"
+                if deps_from == "lines" else "")
+        raise HarnessError(f"{u.id}: {test_path} fails on {release} with {what}: {with_patch['last']}{hint}")
     (dest / "upstream_test.py").write_text(test_src)
     patch_names = [f.name for f in pf]
     (dest / "title.txt").write_text(u.subject + "\n")
@@ -663,9 +673,11 @@ def _apply_alone_or_with_prefix(repo: Path, u, prefix: list, release: str, needs
 
     needed = [n for m in u.members for n in needs_of(m)]
     want = {n.id for n in needed}
-    if lines is not None:
-        forced = _by_lines(needed, prefix, lines, needs_of, members_of)
-    else:
+    try:
+        forced = None if lines is None else _by_lines(needed, prefix, lines, needs_of, members_of)
+    except blame.Unreadable:
+        forced = None
+    if forced is None:
         forced = _walk(prefix, set(), want, needs_of) if want else []
     start = git(repo, "rev-parse", "HEAD").stdout.strip()
     failed = am(forced)
@@ -676,12 +688,16 @@ def _apply_alone_or_with_prefix(repo: Path, u, prefix: list, release: str, needs
     git(repo, "reset", "-q", "--hard", start)
     how = "files"
     if lines is not None:
-        read = _by_lines([*u.members, *needed], prefix, lines, needs_of, members_of)
-        failed = am(read) or am(u.members)
-        if failed is None:
-            return read, "lines"
-        how = f"files (on the patches it reads, {failed} does not apply)"
-        git(repo, "reset", "-q", "--hard", start)
+        try:
+            read = _by_lines([*u.members, *needed], prefix, lines, needs_of, members_of)
+        except blame.Unreadable as e:
+            how = f"files (the lines it reads cannot be told: {e})"
+        else:
+            failed = am(read) or am(u.members)
+            if failed is None:
+                return read, "lines"
+            how = f"files (on the patches it reads, {failed} does not apply)"
+            git(repo, "reset", "-q", "--hard", start)
     deps = _walk(prefix, set(u.files), want, needs_of)
     failed = am(deps)
     if failed:

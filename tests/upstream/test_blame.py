@@ -3,11 +3,12 @@ synthetic series in a local git repo (offline, no SGLang)."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
-from harness.upstream.blame import SeriesLines, preimage_ranges
+import pytest
+
+from harness.upstream.blame import SeriesLines, Unreadable, preimage_ranges
 from harness.upstream.prexport import _apply_alone_or_with_prefix, _walk
 from harness.upstream.status import Patch
 
@@ -36,9 +37,7 @@ def _series(tmp_path: Path, edits: list[tuple[str, dict[int, str | None]]]) -> t
                 lines[n - 1] = edit[n] + "\n"
         (repo / "a.py").write_text("".join(lines))
         run_git(repo, "commit", "-q", "-am", f"{pid}\n\nPatch-Id: {pid}\nForwarded: yes")
-    out = tmp_path / "patches"
-    names = subprocess.run(["git", "format-patch", "base..HEAD", "-o", str(out)], cwd=repo, check=True,
-                           capture_output=True, text=True).stdout.split()
+    names = run_git(repo, "format-patch", "base..HEAD", "-o", str(tmp_path / "patches")).split()
     return repo, [Patch.from_file(Path(n)) for n in names]
 
 
@@ -50,9 +49,12 @@ def test_preimage_ranges_are_the_hunks_old_lines():
     text = ("Subject\n\n--- a/not-a-header.py\n---\n diff\n"
             "diff --git a/x.py b/x.py\nindex 1..2 100644\n--- a/x.py\n+++ b/x.py\n"
             "@@ -4,7 +4,7 @@ def f():\n ctx\n--- a removed line that looks like a header\n+new\n"
-            "@@ -30 +30 @@\n-x\n+y\n"
-            "diff --git a/new.py b/new.py\nnew file mode 100644\n--- /dev/null\n+++ b/new.py\n@@ -0,0 +1 @@\n+z\n")
-    assert preimage_ranges(text) == {"x.py": [(4, 7), (30, 1)]}
+            "@@ -30 +30 @@\n-x\n+y\n\\ No newline at end of file\n"
+            "diff --git a/new.py b/new.py\nnew file mode 100644\n--- /dev/null\n+++ b/new.py\n@@ -0,0 +1 @@\n+z\n"
+            "diff --git a/a b.py b/a b.py\n--- a/a b.py\t\n+++ b/a b.py\t\n@@ -2,0 +3 @@\n+w\n@@ -9,2 +10,2 @@\n")
+    assert preimage_ranges(text) == {"x.py": [(4, 7), (30, 1)], "a b.py": [(9, 2)]}
+    with pytest.raises(Unreadable, match="a quoted path"):
+        preimage_ranges('diff --git "a/\\303\\251.py" "b/\\303\\251.py"\n--- "a/\\303\\251.py"\n')
 
 
 def test_a_patch_reads_the_earlier_patch_whose_lines_it_edits_not_one_elsewhere_in_the_file(tmp_path):
@@ -110,3 +112,36 @@ def test_a_patch_that_applies_alone_needs_nothing(tmp_path):
     deps, how = _apply_alone_or_with_prefix(pristine, _unit(far), [first], "9.9",
                                             lines=SeriesLines(repo, "base", [first, far]))
     assert (deps, how) == ([], "needs")
+
+
+def test_a_patch_whose_lines_cannot_be_read_falls_back_to_the_file_walk(tmp_path, monkeypatch):
+    repo, (first, far, third) = _series(tmp_path, [("first", {5: "five"}), ("far", {30: "thirty"}),
+                                                   ("third", {7: "seven"})])
+    lines = SeriesLines(repo, "base", [first, far, third])
+
+    def unreadable(i):
+        raise Unreadable("git blame a.py: fatal: no such path")
+
+    monkeypatch.setattr(lines, "reads", unreadable)
+    pristine = tmp_path / "pr"
+    run_git(tmp_path, "clone", "-q", "--shared", str(repo), str(pristine))
+    run_git(pristine, "checkout", "-q", "base")
+    deps, how = _apply_alone_or_with_prefix(pristine, _unit(third), [first, far], "9.9", lines=lines)
+    assert [q.id for q in deps] == ["first", "far"]
+    assert how == "files (the lines it reads cannot be told: git blame a.py: fatal: no such path)"
+
+
+def test_stale_bundles_of_this_release_go_and_another_bases_stay(tmp_path):
+    import json
+
+    from harness.upstream.prexport import _remove_stale
+
+    for bid, meta in (("kept", {"base_release": "9.9", "members": ["kept"]}),
+                      ("renamed", {"base_release": "9.9", "members": ["x"]}),
+                      ("pin-bundle", {"base_release": "9.8"}),
+                      ("no-members", {"base_release": "9.9"})):
+        (tmp_path / bid).mkdir()
+        (tmp_path / bid / "bundle.json").write_text(json.dumps({"id": bid, **meta}))
+    lay = SimpleNamespace(rel=lambda p: p.name)
+    _remove_stale(lay, tmp_path, [SimpleNamespace(id="kept")], "9.9")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "no-members", "pin-bundle"]
