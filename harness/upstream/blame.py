@@ -60,19 +60,22 @@ class SeriesLines:
             raise HarnessError(f"{repo}: {len(self.commits)} commits after {base}, "
                                f"the series has {len(self.patches)} patches")
         self.position = {c: i for i, c in enumerate(self.commits)}
+        self._index = {p.id: i for i, p in enumerate(self.patches)}
         self._reads: dict[int, frozenset[int]] = {}
 
     @classmethod
-    def build(cls, tree: Path, tag: str, patches: Sequence[Any], dest: Path) -> "SeriesLines":
-        """``git am`` of every patch on ``tag`` in a clone of ``tree`` at ``dest``; one
-        line naming the patch that does not apply."""
-        git(dest.parent, "clone", "-q", "--shared", "--no-checkout", str(tree), str(dest))
-        git(dest, "checkout", "-q", "-b", "series-lines", tag)
+    def build(cls, repo: Path, tag: str, patches: Sequence[Any]) -> "SeriesLines":
+        """``git am`` of every patch in ``repo``, a checkout of ``tag``; one line naming
+        the patch that does not apply."""
         for p in patches:
-            if git(dest, "am", "--keep-cr", "--no-3way", str(p.path), check=False).returncode != 0:
-                git(dest, "am", "--abort", check=False)
+            if git(repo, "am", "--keep-cr", "--no-3way", str(p.path), check=False).returncode != 0:
+                git(repo, "am", "--abort", check=False)
                 raise HarnessError(f"{p.name}: does not apply in series order on {tag}")
-        return cls(dest, tag, patches)
+        return cls(repo, tag, patches)
+
+    def read_by(self, patch: Any) -> list[Any]:
+        """The earlier patches ``patch`` reads (:meth:`reads`), as patches."""
+        return [self.patches[j] for j in self.reads(self._index[patch.id])]
 
     def reads(self, i: int) -> frozenset[int]:
         """The positions of the earlier patches that wrote a line of patch ``i``'s

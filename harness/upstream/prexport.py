@@ -369,7 +369,7 @@ def export_from_base(lay: Layout, only: list[str] | None = None, remote: str = "
     written: list[Path] = []
     lock = _lock_trees(lay)  # noqa: F841 (held until this function returns)
     with scratch(lay.build, "pr-lines") as tmp_lines:
-        lines = blame.SeriesLines.build(lay.tree, tag, patches, Path(tmp_lines) / "series")
+        lines = blame.SeriesLines.build(_pristine_clone(lay.tree, tag, Path(tmp_lines) / "series"), tag, patches)
         for u in units:
             if _selected(u, only):
                 dest = _export_unit(lay, u, units, patches, lines, release, tag, out, remote)
@@ -638,7 +638,6 @@ def _by_lines(start: list, prefix: list, lines, needs_of, members_of) -> list:
     line their hunks change or keep as context, and what those read in turn; a prefix
     patch taken brings its whole unit (a PR merges whole) and the units its unit needs
     (``start``'s own units are the caller's to add). In series order."""
-    position = {q.id: i for i, q in enumerate(lines.patches)}
     allowed = {q.id for q in prefix}
     seen: set[str] = set()
     todo = list(start)
@@ -647,7 +646,7 @@ def _by_lines(start: list, prefix: list, lines, needs_of, members_of) -> list:
         if q.id in seen:
             continue
         seen.add(q.id)
-        todo += [lines.patches[j] for j in lines.reads(position[q.id])]
+        todo += lines.read_by(q)
         if q.id in allowed:
             todo += [*members_of(q), *needs_of(q)]
     return [q for q in prefix if q.id in seen]

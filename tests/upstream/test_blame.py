@@ -41,6 +41,14 @@ def _series(tmp_path: Path, edits: list[tuple[str, dict[int, str | None]]]) -> t
     return repo, [Patch.from_file(Path(n)) for n in names]
 
 
+def _release(tmp_path: Path, repo: Path) -> Path:
+    """A checkout of the release (tag ``base``) of ``repo``, for a unit's deps to go on."""
+    pristine = tmp_path / "pr"
+    run_git(tmp_path, "clone", "-q", "--shared", str(repo), str(pristine))
+    run_git(pristine, "checkout", "-q", "base")
+    return pristine
+
+
 def _unit(p: Patch) -> SimpleNamespace:
     return SimpleNamespace(id=p.id, members=[p], files=p.files)
 
@@ -65,9 +73,7 @@ def test_a_patch_reads_the_earlier_patch_whose_lines_it_edits_not_one_elsewhere_
     # the file walk takes both: each touches a.py
     assert [q.id for q in _walk([first, far], {"a.py"}, set(), lambda q: [])] == ["first", "far"]
 
-    pristine = tmp_path / "pr"
-    run_git(tmp_path, "clone", "-q", "--shared", str(repo), str(pristine))
-    run_git(pristine, "checkout", "-q", "base")
+    pristine = _release(tmp_path, repo)
     deps, how = _apply_alone_or_with_prefix(pristine, _unit(third), [first, far], "9.9", lines=lines,
                                             members_of=lambda q: [q])
     assert ([q.id for q in deps], how) == (["first"], "lines")
@@ -81,9 +87,7 @@ def test_a_unit_taken_by_its_lines_comes_whole_with_what_it_needs(tmp_path):
     lines = SeriesLines(repo, "base", [base_fix, sibling, needed, third])
     bundle = {"base-fix": [base_fix, sibling], "sibling": [base_fix, sibling]}
     needs = {"base-fix": [needed], "sibling": [needed]}
-    pristine = tmp_path / "pr"
-    run_git(tmp_path, "clone", "-q", "--shared", str(repo), str(pristine))
-    run_git(pristine, "checkout", "-q", "base")
+    pristine = _release(tmp_path, repo)
     deps, how = _apply_alone_or_with_prefix(pristine, _unit(third), [base_fix, sibling, needed], "9.9",
                                             needs_of=lambda q: needs.get(q.id, []), lines=lines,
                                             members_of=lambda q: bundle.get(q.id, [q]))
@@ -95,9 +99,7 @@ def test_a_line_deleted_inside_the_hunk_is_invisible_to_blame_so_the_file_walk_t
                                                         ("third", {7: "seven"})])
     lines = SeriesLines(repo, "base", [first, deleting, third])
     assert lines.reads(2) == {0}  # the deleted line 9 leaves no trace
-    pristine = tmp_path / "pr"
-    run_git(tmp_path, "clone", "-q", "--shared", str(repo), str(pristine))
-    run_git(pristine, "checkout", "-q", "base")
+    pristine = _release(tmp_path, repo)
     deps, how = _apply_alone_or_with_prefix(pristine, _unit(third), [first, deleting], "9.9", lines=lines,
                                             members_of=lambda q: [q])
     assert [q.id for q in deps] == ["first", "deleting"]
@@ -106,9 +108,7 @@ def test_a_line_deleted_inside_the_hunk_is_invisible_to_blame_so_the_file_walk_t
 
 def test_a_patch_that_applies_alone_needs_nothing(tmp_path):
     repo, (first, far) = _series(tmp_path, [("first", {5: "five"}), ("far", {30: "thirty"})])
-    pristine = tmp_path / "pr"
-    run_git(tmp_path, "clone", "-q", "--shared", str(repo), str(pristine))
-    run_git(pristine, "checkout", "-q", "base")
+    pristine = _release(tmp_path, repo)
     deps, how = _apply_alone_or_with_prefix(pristine, _unit(far), [first], "9.9",
                                             lines=SeriesLines(repo, "base", [first, far]))
     assert (deps, how) == ([], "needs")
@@ -123,9 +123,7 @@ def test_a_patch_whose_lines_cannot_be_read_falls_back_to_the_file_walk(tmp_path
         raise Unreadable("git blame a.py: fatal: no such path")
 
     monkeypatch.setattr(lines, "reads", unreadable)
-    pristine = tmp_path / "pr"
-    run_git(tmp_path, "clone", "-q", "--shared", str(repo), str(pristine))
-    run_git(pristine, "checkout", "-q", "base")
+    pristine = _release(tmp_path, repo)
     deps, how = _apply_alone_or_with_prefix(pristine, _unit(third), [first, far], "9.9", lines=lines)
     assert [q.id for q in deps] == ["first", "far"]
     assert how == "files (the lines it reads cannot be told: git blame a.py: fatal: no such path)"

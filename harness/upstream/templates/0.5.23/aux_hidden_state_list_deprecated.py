@@ -45,8 +45,7 @@ from torch import nn
 from sglang.srt.layers import aux_hidden_states
 from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
-from sglang.srt.model_executor.forward_batch_info import ForwardMode, PPProxyTensors
+from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 from sglang.srt.model_executor.model_runner_components.misc_utils import (
     resolve_aux_hidden_states_width,
 )
@@ -432,44 +431,12 @@ DRAFT_IDS = [0, 1, 2]
 DFLASH = types.SimpleNamespace(is_dflash_family=lambda: True)
 
 
-class _DsLayer(nn.Module):
-    """Completes the previous layer's output on the residual stream, captures it
-    when asked, and adds a layer-specific constant (its own contribution)."""
-
-    def __init__(self, layer_id, returns_topk):
-        super().__init__()
-        self.layer_id = layer_id
-        self.returns_topk = returns_topk
-
-    def forward(
-        self,
-        positions,
-        hidden_states,
-        forward_batch,
-        *args,
-        captured_last_layer_outputs=None,
-        **kwargs,
-    ):
-        hidden_states = residual_batch.fold(hidden_states, forward_batch)
-        if captured_last_layer_outputs is not None:
-            captured_last_layer_outputs.capture(hidden_states)
-        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
-        out = residual_batch.stream_of(forward_batch).record(contribution, PLAIN_ADD)
-        return (out, None) if self.returns_topk else out
-
-
-class _DsNorm(nn.Module):
-    def forward(self, hidden_states, residual=None):
-        if residual is None:
-            return hidden_states * 0.5
-        residual = residual + hidden_states
-        return residual * 0.5, residual
-
-
 def _deepseek_model():
     model = deepseek_v2.DeepseekV2Model.__new__(deepseek_v2.DeepseekV2Model)
     nn.Module.__init__(model)
-    model.layers = nn.ModuleList([_DsLayer(i, True) for i in range(NUM_LAYERS)])
+    model.layers = nn.ModuleList(
+        [StreamLayer(i, returns_topk=True) for i in range(NUM_LAYERS)]
+    )
     model.use_dsa = False
     model.first_k_dense_replace = 0
     model.llama_4_scaling_config = None
@@ -480,7 +447,7 @@ def _deepseek_model():
 def _mimo_model():
     model = mimo_v2.MiMoV2Model.__new__(mimo_v2.MiMoV2Model)
     nn.Module.__init__(model)
-    model.layers = nn.ModuleList([_DsLayer(i, False) for i in range(NUM_LAYERS)])
+    model.layers = nn.ModuleList([StreamLayer(i) for i in range(NUM_LAYERS)])
     return model
 
 
@@ -493,7 +460,7 @@ def _ds_causal_lm(name):
     model = model()
     model.start_layer, model.end_layer = 0, NUM_LAYERS
     model.layers_to_capture = []
-    model.norm = _DsNorm()
+    model.norm = InPlaceNorm()
     model.config = types.SimpleNamespace(
         num_hidden_layers=NUM_LAYERS, hidden_size=HIDDEN
     )
@@ -508,16 +475,8 @@ def _ds_causal_lm(name):
 
 
 def _ds_run(model, embeds, buffer=None):
-    forward_batch = types.SimpleNamespace(
-        can_run_tbo=False,
-        residual_stream=None,
-        forward_mode=ForwardMode.EXTEND,
-        return_hidden_states_before_norm=False,
-        aux_hidden_states_buffer=buffer,
-    )
-    out = model.forward(
-        None, torch.arange(embeds.shape[0]), forward_batch, input_embeds=embeds
-    )
+    batch = forward_batch(aux_buffer=buffer, return_hidden_states_before_norm=False)
+    out = model.forward(None, torch.arange(embeds.shape[0]), batch, input_embeds=embeds)
     return out[-1]
 
 

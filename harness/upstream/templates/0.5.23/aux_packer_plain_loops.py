@@ -308,12 +308,13 @@ def _width_reporters(spec):
         yield spec.wrapper, lambda: _wrapper(spec)
 
 
-def _run(model, embeds, buffer=None, forward_mode=ForwardMode.EXTEND):
+def _run(model, embeds, buffer=None, forward_mode=ForwardMode.EXTEND, **extra):
     return model.forward(
         input_ids=None,
         positions=torch.arange(embeds.shape[0]),
         forward_batch=forward_batch(forward_mode, buffer),
         input_embeds=embeds,
+        **extra,
     )
 
 
@@ -497,16 +498,8 @@ def _vl_wrapper(wrapper_cls, language_model):
 
 def _vl_forward(model, embeds, deepstack=None, buffer=None):
     extra = {} if deepstack is None else {"input_deepstack_embeds": deepstack}
-    with torch.no_grad():
-        return model.forward(
-            input_ids=None,
-            positions=torch.arange(embeds.shape[0]),
-            forward_batch=forward_batch(
-                ForwardMode.EXTEND if embeds.shape[0] else ForwardMode.IDLE, buffer
-            ),
-            input_embeds=embeds.clone(),
-            **extra,
-        )
+    mode = ForwardMode.EXTEND if embeds.shape[0] else ForwardMode.IDLE
+    return _run(model, embeds.clone(), buffer, mode, **extra)
 
 
 def _vl_reference(embeds, deepstack=None):

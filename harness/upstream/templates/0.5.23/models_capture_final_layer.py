@@ -271,14 +271,6 @@ class TestModelsCaptureFinalLayer(CustomTestCase):
                 self.assertEqual(len(_captures(aux)), 2)
 
 
-class _TboNorm(nn.Module):
-    def forward(self, hidden_states, residual=None):
-        if residual is None:
-            return hidden_states * 0.5
-        residual = hidden_states + residual
-        return residual * 0.5, residual
-
-
 def _model_forward_stages(
     layers, enable_tbo, positions, forward_batch, hidden_states, **kwargs
 ):
@@ -294,50 +286,28 @@ def _model_forward_stages(
     return hidden_states
 
 
-def _bare(model_cls, returns_topk):
-    """``model_cls`` without its __init__: stand-in layers and norm, one stage."""
-    model = model_cls.__new__(model_cls)
-    nn.Module.__init__(model)
-    model.layers = nn.ModuleList(
-        [StreamLayer(i, returns_topk=returns_topk) for i in range(NUM_LAYERS)]
-    )
-    model.start_layer, model.end_layer = 0, NUM_LAYERS
-    model.norm = _TboNorm()
-    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
-    return model
-
-
 def _qwen2_moe(layers_to_capture):
-    model = _bare(qwen2_moe.Qwen2MoeModel, False)
+    model = _model(qwen2_moe.Qwen2MoeModel)
     model.set_eagle3_layers_to_capture(list(layers_to_capture))
     return model
 
 
 def _deepseek_v2(layers_to_capture):
-    model = _bare(deepseek_v2.DeepseekV2Model, True)
-    model.layers_to_capture = list(layers_to_capture)
-    model.use_dsa = False
+    model = _model(deepseek_v2.DeepseekV2Model, layers_to_capture)
     # the dense layer runs in the plain loop, the sparse ones overlap
     model.first_k_dense_replace = 1
-    model.llama_4_scaling_config = None
-    model.next_full_attention_layer_id = {}
     return model
 
 
 def _glm5_next(layers_to_capture):
-    model = _bare(glm5_next.Glm5NextModel, True)
     # EAGLE3 ids: its own guard covered DFlash (dflash_capture) only
-    model.layers_to_capture = list(layers_to_capture)
-    model.dflash_capture = False
-    model.enable_a2a_moe = False
-    model.config = types.SimpleNamespace(mhc=False)
+    model = _model(glm5_next.Glm5NextModel, layers_to_capture)
     model.first_k_dense_replace = 1
     return model
 
 
 def _minimax_m3(layers_to_capture):
-    model = _bare(minimax_m3.MiniMaxM3Model, False)
-    model.layers_to_capture = list(layers_to_capture)
+    model = _model(minimax_m3.MiniMaxM3Model, layers_to_capture)
     # its forward reads the flags its CausalLM's setter sets
     for layer_id in layers_to_capture:
         if layer_id < NUM_LAYERS:
