@@ -102,27 +102,25 @@ CHECKS = {c.name: c for c in (
 # Per bundle: the checks that prove it on a GPU, or why none does.
 BUNDLE_CHECKS: dict[str, tuple[str, ...] | str] = {
     # Its two-batch-overlap part needs DP attention over two GPUs or more.
-    "models-capture-final-layer": ("llama-eagle3", "qwen3-dflash"),
+    "models-capture-final-layer": ("llama-eagle3", "qwen3-dflash", "qwen3-moe-eagle3"),
     "gemma3-capture-layer-output": "no published Gemma 3 EAGLE3 draft is named in sgl-project/sglang#39286; "
                                    "the CPU tier checks the value against transformers",
     "capture-gather-scattered": "attention-TP input scattering needs TP 2 or more (DeepSeek with q-lora)",
-    "models-capture-by-index": ("qwen3-moe-eagle3",),
     "models-capture-setters": ("llama-eagle3", "qwen3-dflash"),
-    "final-layer-capture": ("llama-eagle3", "llama-return-aux"),
     "aux-packer-infra": ("llama-eagle3",),
+    # Its DeepSeek-V3 / MiMo-V2 part (the decode graph's shared buffer) needs more than one
+    # GPU for those targets.
     "aux-packer-plain-loops": ("llama-eagle3", "qwen3-dflash", "qwen3-moe-eagle3", "qwen3-vl-return-aux"),
     "aux-packer-fused-loops": "no published draft for a Nanbeige, Inkling, Beam or MuseSpark target; "
                               "the CPU tier checks their packed values",
+    # Its Kimi pipeline-stage part needs PP 2 or more.
     "aux-packer-hybrid-stacks": ("lfm2-return-aux",),
-    "qwen3-vl-deepstack-capture": ("qwen3-vl-return-aux",),
     "capture-ids-checked": "refuses bad ids at start-up; changes no value or memory",
-    "post-norm-ignored-warning": "a warning; changes no value or memory",
+    # Beam's post_norm has no published draft; the start-up warning changes nothing.
+    "final-layer-capture": ("llama-eagle3", "llama-return-aux", "qwen3-vl-return-aux"),
     "return-aux-chunked-prefill-rows": ("llama-return-aux-chunked",),
     "qwen4-exp-refuses-captures": "a refusal; changes no value or memory",
     "glm5-next-mhc-eagle3-last-refused": "a refusal; changes no value or memory",
-    "beam-post-norm-capture": "no published draft for a Beam target",
-    # Its DeepSeek-V3 / MiMo-V2 part (the decode graph's shared buffer) needs more than one
-    # GPU for those targets; the list's deprecation and the drafts' hand-on run on one.
     "aux-hidden-state-list-deprecated": ("llama-eagle3",),
     "return-hidden-states-arrays": ("llama-return-aux",),
 }

@@ -374,7 +374,7 @@ def test_in_loop_models_refuse_post_norm_at_start_up(sglang_tp1, module, cls):
     from sglang.srt.layers.aux_hidden_states import final_layer_capture_post_norm
 
     model_cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls)
-    # The declaration is a boolean the model runner reads (issue 28: 0.5.23's 0010, post_norm).
+    # The declaration is a boolean the model runner reads (issue 28: 0.5.23's 0038, post_norm).
     assert model_cls.supports_post_norm_final_layer_capture is False
     model = model_cls.__new__(model_cls)
     nn.Module.__init__(model)

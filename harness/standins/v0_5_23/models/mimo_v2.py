@@ -13,7 +13,7 @@ Captures go into upstream's ``AuxHiddenStatePacker(len(self.layers_to_capture))`
 (1154): ``attn_boundary.prepare(capture_gathered=...)`` of layer ``i`` for ``i in
 layers_to_capture`` (984-988), and the last layer's output (capture index
 ``num_hidden_layers``) as a ``residual_batch.snapshot`` after the loop (1188-1195), or,
-with 0010's ``post_norm``, the final norm's output. K of K, packed.
+with 0038's ``post_norm``, the final norm's output. K of K, packed.
 
 The tiny config keeps the checkpoint's shapes: layer 0 dense and full attention, the
 rest MoE, sliding-window layers between full-attention ones (MiMo-V2-Flash's

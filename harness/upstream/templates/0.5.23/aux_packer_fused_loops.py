@@ -34,10 +34,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.beam import BeamConfig
-from sglang.srt.layers.aux_hidden_states import (
-    pack_aux_hidden_states,
-    set_final_layer_capture,
-)
+from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 from sglang.srt.layers.layer_boundary.layout import SumGroup
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.residual.short_conv import ShortConvUpdate
@@ -210,7 +207,6 @@ class _Family:
     dtype = torch.float32  # of the captures and of the decode graph's buffer
     exact = False  # captures compared bit for bit
     idle_takes_captures = True  # an idle batch returns an empty packed buffer
-    post_norm = False  # serves a post_norm capture of the last layer
 
     def build(self, ids=()):
         raise NotImplementedError
@@ -236,7 +232,6 @@ class _Nanbeige(_Family):
     DEPTH = NUM_LOOPS * NUM_LAYERS
     ids = (1, NUM_LAYERS, NUM_LAYERS + 2, DEPTH)
     dflash_ids = (0, NUM_LAYERS, DEPTH - 1)  # DFlash target ids are unrolled too
-    post_norm = True
 
     def __init__(self, skip_loop_final_norm):
         self.skip_loop_final_norm = skip_loop_final_norm
@@ -399,7 +394,6 @@ class _MuseSpark(_Family):
     name = "MuseSpark1xModel"
     dtype = torch.bfloat16  # the operator dtype
     exact = True
-    post_norm = True
 
     def build(self, ids=()):
         model = _stub(MuseSpark1xModel)
@@ -500,26 +494,6 @@ class TestAuxPackerFusedForwards(CustomTestCase):
                 embeds, extra = family.inputs()
                 with self.assertRaises(ValueError):
                     _forward(model, embeds, extra, buffer=shared)
-
-    def test_post_norm_last_capture_is_the_final_norm_output(self):
-        for family in FAMILIES:
-            if not family.post_norm:
-                continue
-            with self.subTest(model=family.name):
-                model = family.build(family.ids)
-                embeds, extra = family.inputs()
-                set_final_layer_capture(model, "post_norm")
-                hidden, aux = _forward(model, embeds, extra)
-                values, final = family.reference(model, embeds, **extra)
-                self.assertIsInstance(aux, torch.Tensor)
-                expected = [values[i] for i in family.ids[:-1]] + [final]
-                self.assertSameValues(family, aux, torch.cat(expected, dim=-1))
-                self.assertSameValues(family, aux[:, -HIDDEN:], hidden)
-                # A copy in its slot, not the returned hidden states.
-                self.assertNotEqual(
-                    aux.untyped_storage().data_ptr(),
-                    hidden.untyped_storage().data_ptr(),
-                )
 
     def test_idle_batch(self):
         for family in FAMILIES:

@@ -15,13 +15,29 @@ shared buffer on the batch (aux_hidden_states_buffer), sized by the
 get_aux_hidden_states_width of the class the model runner holds (the CausalLM,
 or a multimodal wrapper around it).
 
-Every test runs over every model of the table below: the captures are enabled
-through the real setters with draft layer ids (id k is the output of layer k),
-and the expected values follow from the stand-in layers' arithmetic. Runs on
-CPU without a GPU or a checkpoint: the decoder layers (LFM2's mixers) and the
-final norms are small stand-ins on the real residual stream
-(``forward_batch.residual_stream``); each model's forward, each CausalLM and
-wrapper, and their setters are the real ones.
+KimiK3LinearModel and KimiLinearModel packed them without pipeline parallelism
+only; with PP > 1 each stage collected a list, a stage that is not the last
+concatenated its own into ``pp_proxy_tensors["dspark_hidden_states"]``, and the
+last one concatenated the received block with its own captures. Now every stage
+packs: a later stage copies the received block (K' captures side by side) into
+its first K' slots, then its own captures; a stage that is not the last sends
+its packed buffer on as it is. Capture ids are layer outputs: on the standard
+residual path layer i's input captures the output of layer i - 1 (a stage's
+first layer the previous stage's last one) and the final norm the last layer's;
+on kimi_k3's attention-residual bank path the mixture after layer i is
+captured, the previous stage's last one at the stage's start. A DFlash-family
+decode graph's buffer is filled in place on every stage, and each stage's
+CausalLM reports the width of what it sends on or returns.
+
+TestHybridStacksAuxPacker runs over every model of the table below: the
+captures are enabled through the real setters with draft layer ids (id k is the
+output of layer k), and the expected values follow from the stand-in layers'
+arithmetic. Runs on CPU without a GPU or a checkpoint: the decoder layers
+(LFM2's mixers), the final norms and kimi_k3's bank are small stand-ins on the
+real residual stream (``forward_batch.residual_stream``), the bank's mixture a
+snapshot of the stream; each model's forward, each CausalLM and wrapper, and
+their setters are the real ones, the Kimi models' run stage by stage with the
+pipeline group overridden.
 """
 
 import contextlib
@@ -33,10 +49,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from sglang.srt.layers.aux_hidden_states import (
-    pack_aux_hidden_states,
-    set_final_layer_capture,
-)
+from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.stage import StageBoundary
 from sglang.srt.model_executor.forward_batch_info import (
@@ -58,6 +71,7 @@ from sglang.srt.models.granitemoehybrid import (
     GraniteMoeHybridModel,
 )
 from sglang.srt.models.interns2_mobius import InternS2MobiusForCausalLM
+from sglang.srt.models.kimi_k3 import KimiK3LinearForCausalLM, KimiK3LinearModel
 from sglang.srt.models.kimi_linear import KimiLinearForCausalLM, KimiLinearModel
 from sglang.srt.models.lfm2 import Lfm2DecoderLayer, Lfm2ForCausalLM, Lfm2Model
 from sglang.srt.models.lfm2_moe import (
@@ -96,12 +110,13 @@ from sglang.test.aux_capture_test_utils import (
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-register_cpu_ci(est_time=15, suite="base-a-test-cpu")
+register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
 HIDDEN = 8
 TOKENS = 5
 NUM_LAYERS = 4
 HC_MULT = 2
+SPLIT = 2  # a two-stage pipeline: the first takes layers 0 and 1, the last 2 and 3
 DFLASH = types.SimpleNamespace(is_dflash_family=lambda: True)
 
 
@@ -111,10 +126,11 @@ def _expected(embeds, layer_ids):
 
 
 def _stage(start_layer=0, end_layer=NUM_LAYERS):
+    whole = start_layer == 0 and end_layer == NUM_LAYERS
     return types.SimpleNamespace(
         is_first_rank=start_layer == 0,
         is_last_rank=end_layer == NUM_LAYERS,
-        world_size=1,
+        world_size=1 if whole else 2,
     )
 
 
@@ -128,7 +144,9 @@ class _FromPP:
 
     def from_pp(self, pp_proxy_tensors, forward_batch):
         residual_batch.start(forward_batch)
-        return pp_proxy_tensors["hidden_states"]
+        return pp_proxy_tensors["hidden_states"] + pp_proxy_tensors.tensors.get(
+            "residual", 0
+        )
 
 
 class _Layer(StreamLayer):
@@ -238,6 +256,17 @@ def _qwen3_5(cls):
 
 def _with_stage(cls, **attrs):
     return _model(cls, start_layer=0, end_layer=NUM_LAYERS, **attrs)
+
+
+def _kimi_linear(layer_ids=None, start_layer=0, end_layer=NUM_LAYERS):
+    return _model(
+        KimiLinearModel,
+        start_layer=start_layer,
+        end_layer=end_layer,
+        pp_group=_stage(start_layer, end_layer),
+        dspark_layers_to_capture=None if layer_ids is None else list(layer_ids),
+        config=types.SimpleNamespace(hidden_size=HIDDEN),
+    )
 
 
 def _bailing(start_layer=0, end_layer=NUM_LAYERS):
@@ -390,11 +419,7 @@ SPECS = (
         ),
     ),
     _Spec(
-        lambda: _with_stage(
-            KimiLinearModel,
-            dspark_layers_to_capture=None,
-            config=types.SimpleNamespace(hidden_size=HIDDEN),
-        ),
+        _kimi_linear,
         "inputs_embeds",
         (((KimiLinearForCausalLM, "model"),),),
         setter="set_dspark_layers_to_capture",
@@ -455,29 +480,6 @@ class TestHybridStacksAuxPacker(CustomTestCase):
                 )
                 # The logits processor hands it on as it is: no concatenation.
                 self.assertIs(pack_aux_hidden_states(aux), aux)
-
-    def test_post_norm_last_capture_is_the_final_norm_output(self):
-        # The draft's choice of the last layer's capture (--speculative-final-
-        # layer-capture): post_norm takes the final norm's output, copied into
-        # its slot.
-        layer_ids = [1, NUM_LAYERS - 1]
-        for spec in SPECS:
-            with self.subTest(model=spec.name):
-                embeds = torch.randn(TOKENS, HIDDEN)
-                model = _capturing(spec, layer_ids)
-                set_final_layer_capture(model, "post_norm")
-                hidden, aux = _run(spec, model, embeds.clone())
-                self.assertIsInstance(aux, torch.Tensor)
-                torch.testing.assert_close(
-                    hidden, stream_after(embeds, NUM_LAYERS - 1) * 0.5
-                )
-                torch.testing.assert_close(
-                    aux, torch.cat([stream_after(embeds, 1), hidden], dim=-1)
-                )
-                self.assertNotEqual(
-                    aux.untyped_storage().data_ptr(),
-                    hidden.untyped_storage().data_ptr(),
-                )
 
     def test_decode_graph_buffer_is_filled_in_place(self):
         layer_ids = [1, NUM_LAYERS - 1]
@@ -610,6 +612,214 @@ class TestHybridStacksAuxPacker(CustomTestCase):
             ),
             0,
         )
+
+
+# ---------------------------------------------------------------------------
+# Kimi's pipeline stages: each real forward run as one stage of two, the first
+# stage's PPProxyTensors handed to the last.
+# ---------------------------------------------------------------------------
+
+
+class _KimiK3Layer(_Layer):
+    """kimi_k3 hands its collector as ``capture_gathered``, as its attention
+    boundary takes it."""
+
+    def forward(self, positions, hidden_states, forward_batch, *args, **kwargs):
+        gathered = kwargs.pop("capture_gathered", None)
+        if gathered is not None:
+            kwargs["captured_last_layer_outputs"] = gathered
+        return super().forward(positions, hidden_states, forward_batch, **kwargs)
+
+
+class _Bank:
+    """The attention-residual bank's lifecycle, holding one row block per token."""
+
+    def open(self, hidden_states, num_blocks, inherited):
+        self.block_residual = (
+            hidden_states.new_zeros(hidden_states.shape[0], num_blocks, HIDDEN)
+            if inherited is None
+            else inherited
+        )
+
+    def require(self):
+        return self
+
+    def close(self):
+        pass
+
+
+def _kimi_k3(layer_ids=None, start_layer=0, end_layer=NUM_LAYERS, bank=False):
+    model = _model(
+        KimiK3LinearModel,
+        layer=_KimiK3Layer,
+        norm="_final_read",
+        start_layer=start_layer,
+        end_layer=end_layer,
+        pp_group=_stage(start_layer, end_layer),
+        dspark_layers_to_capture=None if layer_ids is None else list(layer_ids),
+        carries_bank_slices=False,
+        attn_bank=_Bank() if bank else None,
+        config=types.SimpleNamespace(hidden_size=HIDDEN, attn_res_block_size=2),
+    )
+    if bank:
+        # The bank's capture is the mixture the next read would form; here the
+        # stream itself, so both paths capture the same values.
+        model._dspark_capture_stream = lambda layer_id, hidden, batch: (
+            residual_batch.snapshot(hidden, batch)
+        )
+    return model
+
+
+def _run_stage(model, embeds, buffer=None, pp_proxy_tensors=None):
+    """One stage's real forward; both Kimi models take ``inputs_embeds``, as
+    KimiLinearModel's spec says."""
+    spec = _spec(KimiLinearModel)
+    return _run(spec, model, embeds, buffer, pp_proxy_tensors=pp_proxy_tensors)
+
+
+def _two_stages(layer_ids, embeds, bank=False, buffers=(None, None), model=None):
+    """(what the first stage sends, what the last returns), each stage the real
+    forward of its own model."""
+    model = model or (lambda ids, **stage: _kimi_k3(ids, bank=bank, **stage))
+    proxy = _run_stage(model(layer_ids, end_layer=SPLIT), embeds.clone(), buffers[0])
+    out = _run_stage(
+        model(layer_ids, start_layer=SPLIT),
+        torch.empty(0, HIDDEN),
+        buffers[1],
+        pp_proxy_tensors=PPProxyTensors(dict(proxy.tensors)),
+    )
+    return proxy, out
+
+
+class TestKimiK3PipelineStagesPack(CustomTestCase):
+    def _check_packed(self, hidden, aux, embeds, layer_ids):
+        # One [T, K * H] tensor holding the captures in order, the final norm's
+        # output beside it, and the logits processor hands it on as it is.
+        self.assertIsInstance(aux, torch.Tensor)
+        self.assertEqual(tuple(aux.shape), (TOKENS, len(layer_ids) * HIDDEN))
+        torch.testing.assert_close(aux, _expected(embeds, layer_ids))
+        torch.testing.assert_close(hidden, stream_after(embeds, NUM_LAYERS - 1) * 0.5)
+        self.assertIs(pack_aux_hidden_states(aux), aux)
+
+    def test_single_stage_returns_one_packed_buffer(self):
+        layer_ids = [0, 2, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        for bank in (False, True):
+            hidden, aux = _run_stage(_kimi_k3(layer_ids, bank=bank), embeds.clone())
+            self._check_packed(hidden, aux, embeds, layer_ids)
+
+    def test_pipeline_stages_carry_their_captures_in_slots(self):
+        # The first stage packs id 0 (its last layer's output, id 1, is the
+        # stream the last stage receives and captures first); the last stage
+        # puts the received block in its first slot, then ids 1 and 3.
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        for bank in (False, True):
+            proxy, (hidden, aux) = _two_stages(layer_ids, embeds, bank=bank)
+            sent = proxy["dspark_hidden_states"]
+            torch.testing.assert_close(sent, _expected(embeds, [0]))
+            self._check_packed(hidden, aux, embeds, layer_ids)
+
+    def test_decode_graph_buffers_are_filled_in_place_on_each_stage(self):
+        # The first stage sends its graph buffer itself; the last stage's
+        # buffer holds every capture, the received ones first.
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        first = torch.full((TOKENS + 3, HIDDEN), float("nan"))
+        last = torch.full((TOKENS + 3, 3 * HIDDEN), float("nan"))
+        proxy, (_, aux) = _two_stages(
+            layer_ids, embeds, buffers=(first[:TOKENS], last[:TOKENS])
+        )
+        sent = proxy["dspark_hidden_states"]
+        self.assertEqual(
+            sent.untyped_storage().data_ptr(), first.untyped_storage().data_ptr()
+        )
+        torch.testing.assert_close(first[:TOKENS], _expected(embeds, [0]))
+        self.assertEqual(
+            aux.untyped_storage().data_ptr(), last.untyped_storage().data_ptr()
+        )
+        torch.testing.assert_close(last[:TOKENS], _expected(embeds, layer_ids))
+        self.assertTrue(torch.isnan(first[TOKENS:]).all())
+        self.assertTrue(torch.isnan(last[TOKENS:]).all())
+
+    def test_no_capture_returns_hidden_states_alone(self):
+        embeds = torch.randn(TOKENS, HIDDEN)
+        self.assertIsInstance(_run_stage(_kimi_k3(), embeds.clone()), torch.Tensor)
+        proxy, out = _two_stages(None, embeds)
+        self.assertNotIn("dspark_hidden_states", proxy.tensors)
+        self.assertIsInstance(out, torch.Tensor)
+
+    def test_causal_lm_reports_the_packed_width_per_stage(self):
+        def causal_lm(**stage):
+            lm = KimiK3LinearForCausalLM.__new__(KimiK3LinearForCausalLM)
+            nn.Module.__init__(lm)
+            lm.model = _kimi_k3(**stage)
+            lm.config = types.SimpleNamespace(hidden_size=HIDDEN)
+            lm.capture_aux_hidden_states = False
+            return lm
+
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        for stage, width in (
+            ({}, 3 * HIDDEN),
+            # What the first stage sends on: ids before its last layer.
+            ({"end_layer": SPLIT}, HIDDEN),
+            # What the last stage returns: every id, the received ones included.
+            ({"start_layer": SPLIT}, 3 * HIDDEN),
+        ):
+            lm = causal_lm(**stage)
+            self.assertEqual(lm.get_aux_hidden_states_width(), 0)
+            lm.set_dspark_layers_to_capture(layer_ids)
+            self.assertEqual(lm.get_aux_hidden_states_width(), width, stage)
+
+
+class TestKimiLinearPipelineStagesPack(CustomTestCase):
+    def test_stages_send_and_return_one_packed_buffer(self):
+        # The first stage (layers 0, 1) packs ids 0 and 1; the last puts them in
+        # its first two slots and its own id 3 after them.
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        proxy, (hidden, aux) = _two_stages(layer_ids, embeds, model=_kimi_linear)
+        torch.testing.assert_close(
+            proxy["dspark_hidden_states"], _expected(embeds, [0, 1])
+        )
+        self.assertIsInstance(aux, torch.Tensor)
+        torch.testing.assert_close(aux, _expected(embeds, layer_ids))
+        torch.testing.assert_close(hidden, stream_after(embeds, NUM_LAYERS - 1) * 0.5)
+
+    def test_decode_graph_buffers_are_filled_in_place_on_each_stage(self):
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        embeds = torch.randn(TOKENS, HIDDEN)
+        first = torch.full((TOKENS + 3, 2 * HIDDEN), float("nan"))
+        last = torch.full((TOKENS + 3, 3 * HIDDEN), float("nan"))
+        proxy, (_, aux) = _two_stages(
+            layer_ids,
+            embeds,
+            buffers=(first[:TOKENS], last[:TOKENS]),
+            model=_kimi_linear,
+        )
+        self.assertEqual(
+            proxy["dspark_hidden_states"].untyped_storage().data_ptr(),
+            first.untyped_storage().data_ptr(),
+        )
+        self.assertEqual(
+            aux.untyped_storage().data_ptr(), last.untyped_storage().data_ptr()
+        )
+        torch.testing.assert_close(last[:TOKENS], _expected(embeds, layer_ids))
+        self.assertTrue(torch.isnan(first[TOKENS:]).all())
+        self.assertTrue(torch.isnan(last[TOKENS:]).all())
+
+    def test_causal_lm_reports_the_packed_width_per_stage(self):
+        layer_ids = [0, 1, NUM_LAYERS - 1]
+        for stage, width in (
+            ({"end_layer": SPLIT}, 2 * HIDDEN),
+            ({"start_layer": SPLIT}, 3 * HIDDEN),
+        ):
+            lm = KimiLinearForCausalLM.__new__(KimiLinearForCausalLM)
+            nn.Module.__init__(lm)
+            lm.model = _kimi_linear(layer_ids, **stage)
+            lm.config = types.SimpleNamespace(hidden_size=HIDDEN)
+            lm.capture_aux_hidden_states = True
+            self.assertEqual(lm.get_aux_hidden_states_width(), width, stage)
 
 
 if __name__ == "__main__":

@@ -5,19 +5,26 @@ aux hidden states into one buffer.
 A list of K captures that the logits processor concatenates holds the captures
 and their concatenation at once (2 x K x T x H). The models below take capture
 index i at the input of layer i in one loop over their layers, and index
-num_layers (the last layer's output) after it, at the final norm (or, under
-``post_norm``, the norm's output). They now collect into AuxHiddenStatePacker:
-each capture is copied once into its slot of one [T, K * H] buffer, which is
-what the forward returns and what pack_aux_hidden_states hands on unchanged. A
-DFlash decode CUDA graph passes a slice of one shared buffer on the batch
-(aux_hidden_states_buffer), sized by get_aux_hidden_states_width on each
-CausalLM and on the multimodal wrappers that run them. Qwen3-VL's language models
-(Qwen3LLMModel, Qwen3MoeLLMModel: Qwen3Model and Qwen3MoeModel subclasses) run the same
-loop with deepstack embeddings joining the stream after the first layers; their
-wrappers are the CausalLMs.
+num_layers (the last layer's output) after it, at the final norm. They now
+collect into AuxHiddenStatePacker: each capture is copied once into its slot of
+one [T, K * H] buffer, which is what the forward returns and what
+pack_aux_hidden_states hands on unchanged. A DFlash decode CUDA graph passes a
+slice of one shared buffer on the batch (aux_hidden_states_buffer), sized by
+get_aux_hidden_states_width on each CausalLM and on the multimodal wrappers that
+run them. Qwen3-VL's language models (Qwen3LLMModel, Qwen3MoeLLMModel:
+Qwen3Model and Qwen3MoeModel subclasses) run the same loop with deepstack
+embeddings joining the stream after the first layers; their wrappers are the
+CausalLMs.
 
-Every test runs over the table MODELS, one subTest per model. Runs on CPU
-without a GPU or a checkpoint: decoder layers and norms are small stand-ins
+DeepseekV2Model and MiMoV2Model already packed, but sized their packer with
+``len(layers_to_capture)`` and ignored a DFlash decode graph's shared buffer,
+and their CausalLMs (and Kimi-K2.5's wrapper) reported no width: each graph
+size kept a packed output of its own. They now count their captures, fill
+the batch's slice in place and report K * hidden.
+
+The tests of TestAuxPackerPlainLoops run over the table MODELS, one subTest per
+model; the Qwen3-VL and DeepSeek / MiMo tests over tables of their own. Runs on
+CPU without a GPU or a checkpoint: decoder layers and norms are small stand-ins
 (on the real residual stream where the model uses one; with Gemma3's and Muse
 Glimmer's own layouts otherwise), the final norm updates its input in place
 like the fused GPU kernel, and each model's forward and each CausalLM's
@@ -34,13 +41,13 @@ from unittest import mock
 import torch
 from torch import nn
 
-from sglang.srt.layers.aux_hidden_states import (
-    pack_aux_hidden_states,
-    set_final_layer_capture,
-)
+from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.models import exaone_moe, minimax_m2
+from sglang.srt.model_executor.model_runner_components.misc_utils import (
+    resolve_aux_hidden_states_width,
+)
+from sglang.srt.models import exaone_moe, kimi_k25, minimax_m2
 from sglang.srt.models.apertus import ApertusForCausalLM, ApertusModel
 from sglang.srt.models.arcee import ArceeForCausalLM, ArceeModel
 from sglang.srt.models.bailing_moe import (
@@ -49,6 +56,7 @@ from sglang.srt.models.bailing_moe import (
     BailingMoeForCausalLM,
     BailingMoeV2ForCausalLM,
 )
+from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2Model
 from sglang.srt.models.exaone_moe import (
     ExaoneMoEForCausalLM,
     ExaoneMoEModel,
@@ -68,6 +76,7 @@ from sglang.srt.models.llama import LlamaForCausalLM, LlamaModel
 from sglang.srt.models.llama4 import Llama4ForCausalLM, Llama4Model
 from sglang.srt.models.longcat_flash import LongcatFlashForCausalLM, LongcatFlashModel
 from sglang.srt.models.longcat_flash_nextn import LongcatFlashForCausalLMNextN
+from sglang.srt.models.mimo_v2 import MiMoV2ForCausalLM, MiMoV2Model
 from sglang.srt.models.minimax_m2 import MiniMaxM2ForCausalLM, MiniMaxM2Model
 from sglang.srt.models.mllama4 import Llama4ForConditionalGeneration
 from sglang.srt.models.muse_glimmer import (
@@ -94,7 +103,7 @@ from sglang.test.aux_capture_test_utils import (
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-register_cpu_ci(est_time=15, suite="base-a-test-cpu")
+register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
 HIDDEN = 8
 TOKENS = 5
@@ -109,7 +118,8 @@ ONLY_RANK = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
 
 
 class _TopKLayer(StreamLayer):
-    """LongcatFlashDecoderLayer also returns its top-k indices."""
+    """LongcatFlashDecoderLayer and DeepseekV2DecoderLayer also return their
+    top-k indices."""
 
     def __init__(self, layer_id):
         super().__init__(layer_id, returns_topk=True)
@@ -349,24 +359,6 @@ class TestAuxPackerPlainLoops(CustomTestCase):
                 # The logits processor hands it on as it is: no concatenation.
                 self.assertIs(pack_aux_hidden_states(aux), aux)
 
-    def test_post_norm_last_capture_fills_the_last_slot(self):
-        for spec in MODELS:
-            with self.subTest(model=spec.name):
-                embeds = torch.randn(TOKENS, HIDDEN)
-                model = _model(spec, [1, NUM_LAYERS])
-                set_final_layer_capture(model, "post_norm")
-                hidden, aux = _run(model, embeds.clone())
-                self.assertIsInstance(aux, torch.Tensor)
-                self.assertEqual(tuple(aux.shape), (TOKENS, 2 * HIDDEN))
-                first, last = aux.split(HIDDEN, dim=-1)
-                torch.testing.assert_close(first, _stream(embeds, 1))
-                torch.testing.assert_close(last, _stream(embeds, NUM_LAYERS) * 0.5)
-                torch.testing.assert_close(last, hidden)
-                self.assertNotEqual(
-                    aux.untyped_storage().data_ptr(),
-                    hidden.untyped_storage().data_ptr(),
-                )
-
     def test_decode_graph_buffer_is_filled_in_place(self):
         layers_to_capture = [1, NUM_LAYERS]
         for spec in MODELS:
@@ -534,20 +526,6 @@ class TestQwen3VLLanguageModelsPack(CustomTestCase):
                 torch.testing.assert_close(hidden, final)
                 self.assertIs(pack_aux_hidden_states(aux), aux)
 
-    def test_post_norm_last_capture_is_the_final_norm_output(self):
-        for name, model_cls, _, embeds, stack in _vl_cases():
-            with self.subTest(model=name):
-                model = _vl_model(model_cls, VL_IDS)
-                set_final_layer_capture(model, "post_norm")
-                hidden, aux = _vl_forward(model, embeds, stack)
-                values, final = _vl_reference(embeds, stack)
-                expected = [values[i] for i in VL_IDS[:-1]] + [final]
-                torch.testing.assert_close(aux, torch.cat(expected, dim=-1))
-                self.assertNotEqual(
-                    aux.untyped_storage().data_ptr(),
-                    hidden.untyped_storage().data_ptr(),
-                )
-
     def test_decode_graph_buffer_is_filled_in_place(self):
         ids = (VL_IDS[0], VL_IDS[-1])
         for name, model_cls, _, embeds, stack in _vl_cases():
@@ -595,6 +573,100 @@ class TestQwen3VLLanguageModelsPack(CustomTestCase):
                 other.set_dflash_layers_to_capture([0, 2, NUM_LAYERS - 1])
                 self.assertTrue(other.capture_aux_hidden_states)
                 self.assertEqual(other.get_aux_hidden_states_width(), 0)
+
+
+# ---------------------------------------------------------------------------
+# DeepseekV2Model and MiMoV2Model (and Kimi-K2.5's wrapper around the first):
+# they count their captures, fill a DFlash decode graph's buffer in place and
+# report the packed width.
+# ---------------------------------------------------------------------------
+
+# Draft ids (layer outputs) 0, 1, 2: capture indices 1, 2, 3, in the layer loop.
+DRAFT_IDS = [0, 1, 2]
+DFLASH = types.SimpleNamespace(is_dflash_family=lambda: True)
+DS_MODELS = {
+    "deepseek_v2": ModelSpec(
+        DeepseekV2Model,
+        (DeepseekV2ForCausalLM,),
+        layer_cls=_TopKLayer,
+        attrs=dict(
+            config=CONFIG,
+            use_dsa=False,
+            first_k_dense_replace=0,
+            llama_4_scaling_config=None,
+            next_full_attention_layer_id={},
+        ),
+    ),
+    "mimo_v2": ModelSpec(MiMoV2Model, (MiMoV2ForCausalLM,), attrs=dict(config=CONFIG)),
+}
+
+
+def _ds_causal_lm(name):
+    """The CausalLM the model runner holds, over its real model class."""
+    spec = DS_MODELS[name]
+    return _causal_lm(spec, spec.lm_classes[0])
+
+
+def _ds_run(model, embeds, buffer=None):
+    batch = forward_batch(aux_buffer=buffer, return_hidden_states_before_norm=False)
+    out = model.forward(None, torch.arange(embeds.shape[0]), batch, input_embeds=embeds)
+    return out[-1]
+
+
+class TestDeepseekMiMoAuxBuffer(CustomTestCase):
+    def test_width_is_reported_after_the_dflash_setter(self):
+        for name in ("deepseek_v2", "mimo_v2"):
+            with self.subTest(model=name):
+                lm = _ds_causal_lm(name)
+                self.assertEqual(lm.get_aux_hidden_states_width(), 0)
+                lm.set_dflash_layers_to_capture(DRAFT_IDS)
+                want = len(DRAFT_IDS) * HIDDEN
+                self.assertEqual(lm.get_aux_hidden_states_width(), want)
+                for draft_worker, width in ((False, want), (True, 0)):
+                    self.assertEqual(
+                        resolve_aux_hidden_states_width(
+                            model=lm,
+                            spec_algorithm=DFLASH,
+                            is_draft_worker=draft_worker,
+                        ),
+                        width,
+                    )
+
+    def test_kimi_k25_reports_its_language_model_width(self):
+        wrapper = kimi_k25.KimiK25ForConditionalGeneration.__new__(
+            kimi_k25.KimiK25ForConditionalGeneration
+        )
+        nn.Module.__init__(wrapper)
+        wrapper.language_model = _ds_causal_lm("deepseek_v2")
+        wrapper.set_dflash_layers_to_capture(DRAFT_IDS)
+        self.assertEqual(
+            resolve_aux_hidden_states_width(
+                model=wrapper, spec_algorithm=DFLASH, is_draft_worker=False
+            ),
+            len(DRAFT_IDS) * HIDDEN,
+        )
+
+    def test_decode_graph_buffer_is_filled_in_place(self):
+        for name in ("deepseek_v2", "mimo_v2"):
+            with self.subTest(model=name):
+                lm = _ds_causal_lm(name)
+                lm.set_dflash_layers_to_capture(DRAFT_IDS)
+                embeds = torch.randn(TOKENS, HIDDEN)
+                packed = _ds_run(lm.model, embeds.clone())
+                width = lm.get_aux_hidden_states_width()
+                self.assertEqual(tuple(packed.shape), (TOKENS, width))
+                # Capture index i is the output of layer i - 1: the embedding plus
+                # 1 + ... + i.
+                for slot, index in enumerate(i + 1 for i in DRAFT_IDS):
+                    torch.testing.assert_close(
+                        packed[:, slot * HIDDEN : (slot + 1) * HIDDEN],
+                        embeds + float(sum(range(1, index + 1))),
+                    )
+                shared = torch.full((TOKENS + 3, width), float("nan"))
+                aux = _ds_run(lm.model, embeds.clone(), buffer=shared[:TOKENS])
+                self.assertEqual(aux.data_ptr(), shared.data_ptr())
+                torch.testing.assert_close(shared[:TOKENS], packed)
+                self.assertTrue(torch.isnan(shared[TOKENS:]).all())
 
 
 if __name__ == "__main__":

@@ -1,19 +1,41 @@
 # upstream-path: test/registered/unit/models/test_final_layer_capture.py
-"""The last layer's aux capture is taken before or after the final norm, as set.
+"""What a capture holds where a convention decides it, as the draft asks.
 
-EAGLE3/DFlash capture index ``end_layer`` is the output of the last decoder
-layer. With ``final_layer_capture="pre_norm"`` (the default) a model captures
-the stream entering its final norm (hidden_states + residual); with
-``"post_norm"`` it captures the final norm's output instead, which is
+The last layer. EAGLE3/DFlash capture index ``end_layer`` is the output of the
+last decoder layer. With ``final_layer_capture="pre_norm"`` (the default) a
+model captures the stream entering its final norm (hidden_states + residual);
+with ``"post_norm"`` it captures the final norm's output instead, which is
 transformers' ``hidden_states[num_layers]`` and what drafts trained on
 ``output_hidden_states`` features read there. Every other capture is the same
 either way. The setting is --speculative-final-layer-capture when given, else
-``final_layer_capture`` in the draft config, else ``"pre_norm"``.
+``final_layer_capture`` in the draft config, else ``"pre_norm"``. Where it
+cannot apply (no aux hidden states, draft ids that leave the last layer out, a
+model that keeps no capture ids of its own) configure_aux_hidden_state_capture
+says so once. BeamModel takes the last capture inside its layer loops; both
+loops take it after the norm under post_norm (the fused loop's last transition
+already produces the norm's output). Models that cannot (inkling,
+deepseek_v4) refuse post_norm at start-up.
+
+Qwen3-VL's deepstack. Qwen3-VL adds deepstack embeddings to the output of
+decoder layers 0-2, so a capture of index k <= 3 is taken next to that
+addition. The inference path adds them to the layer output and captures the
+stream entering the next layer (deepstack included); the HF-order path
+(use_hf_deepstack_order, under --rl-on-policy-target) passes them as
+post_residual_addition and its boundary captures before the read adds them.
+Unset, each order keeps its own side (the inference path "post_deepstack",
+the HF-order path "pre_deepstack"); ``deepstack_capture`` makes both orders
+capture the side it names, and comes from --speculative-deepstack-capture or
+the draft config. A "pre_deepstack" capture on the inference path is taken
+before the addition, so it is the layer's output bit for bit, not the sum with
+the deepstack subtracted again.
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
 norm are small stand-ins on the real residual stream
-(``forward_batch.residual_stream``); LlamaModel.forward (a list collector) and
-DeepseekV2Model.forward (a packed collector) are the real ones.
+(``forward_batch.residual_stream``, sglang.test.aux_capture_test_utils);
+LlamaModel.forward, DeepseekV2Model.forward, the Qwen3-VL language models'
+forwards and the setters are the real ones; BeamModel runs its real decoder
+layers (norms and fused transitions) over stand-in attention and MLP, with a
+final norm whose weight is not 1.
 """
 
 import types
@@ -23,17 +45,30 @@ from unittest import mock
 import torch
 from torch import nn
 
+from sglang.srt.configs.beam import BeamConfig
 from sglang.srt.layers import aux_hidden_states
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
+from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner_components import (
     attention_backend_setup,
     spec_aux_hidden_state,
 )
+from sglang.srt.models import beam
 from sglang.srt.models.deepseek_v2 import DeepseekV2Model
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sglang.srt.models.inkling import InklingForConditionalGeneration
-from sglang.srt.models.llama import LlamaModel
+from sglang.srt.models.kimi_linear import KimiLinearForCausalLM
+from sglang.srt.models.llama import LlamaForCausalLM, LlamaModel
+from sglang.srt.models.qwen3_vl import Qwen3LLMModel, Qwen3VLForConditionalGeneration
+from sglang.srt.models.qwen3_vl_moe import (
+    Qwen3MoeLLMModel,
+    Qwen3VLMoeForConditionalGeneration,
+)
+from sglang.srt.runtime_context import get_context
 from sglang.test.aux_capture_test_utils import (
+    InPlaceNorm,
     StreamLayer,
     forward_batch,
     stream_after,
@@ -41,13 +76,37 @@ from sglang.test.aux_capture_test_utils import (
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-register_cpu_ci(est_time=20, suite="base-a-test-cpu")
+register_cpu_ci(est_time=40, suite="base-a-test-cpu")
 
 HIDDEN = 4
 TOKENS = 6
 NUM_LAYERS = 3
 # Capture ids: layer inputs 1 and 2, and NUM_LAYERS, the last layer's output.
 CAPTURE_IDS = [1, 2, NUM_LAYERS]
+
+
+def _configure(model, **capture):
+    """configure_aux_hidden_state_capture, the model runner's entry point, without
+    two-batch overlap; ``capture``: its capture arguments (none requested unless
+    given)."""
+    kwargs = dict(
+        eagle_use_aux_hidden_state=False,
+        eagle_aux_hidden_state_layer_ids=None,
+        dflash_use_aux_hidden_state=False,
+        dflash_target_layer_ids=None,
+        is_dspark=False,
+    )
+    kwargs.update(capture)
+    with mock.patch.object(
+        attention_backend_setup,
+        "get_exec",
+        lambda: types.SimpleNamespace(
+            overlap=types.SimpleNamespace(enable_two_batch_overlap=False)
+        ),
+    ):
+        attention_backend_setup.configure_aux_hidden_state_capture(
+            model=model, **kwargs
+        )
 
 
 class _FusedAddScaleNorm(nn.Module):
@@ -297,22 +356,13 @@ class TestInLoopModelsRefusePostNorm(CustomTestCase):
     at start-up, before any setter runs, rather than serve pre_norm silently."""
 
     def _configure(self, model, value):
-        with mock.patch.object(
-            attention_backend_setup,
-            "get_exec",
-            lambda: types.SimpleNamespace(
-                overlap=types.SimpleNamespace(enable_two_batch_overlap=False)
-            ),
-        ):
-            attention_backend_setup.configure_aux_hidden_state_capture(
-                model=model,
-                eagle_use_aux_hidden_state=False,
-                eagle_aux_hidden_state_layer_ids=None,
-                dflash_use_aux_hidden_state=True,
-                dflash_target_layer_ids=[0, 1],
-                is_dspark=True,
-                final_layer_capture=value,
-            )
+        _configure(
+            model,
+            dflash_use_aux_hidden_state=True,
+            dflash_target_layer_ids=[0, 1],
+            is_dspark=True,
+            final_layer_capture=value,
+        )
 
     def test_refused_at_start_up(self):
         for model_cls in (InklingForConditionalGeneration, DeepseekV4ForCausalLM):
@@ -345,6 +395,437 @@ class TestInLoopModelsRefusePostNorm(CustomTestCase):
         self.assertEqual(wrapper.model.layers_to_capture, [1, 2])
         self.assertTrue(aux_hidden_states.final_layer_capture_post_norm(wrapper.model))
         self.assertFalse(hasattr(wrapper, "final_layer_capture"))
+
+
+# A post_norm that cannot apply is said once.
+WARN_LAYERS = 8
+
+
+class _LanguageModel(nn.Module):
+    def __init__(self, attr):
+        super().__init__()
+        setattr(self, attr, [] if attr == "layers_to_capture" else None)
+
+
+def _ids_holder(cls, attr):
+    lm = cls.__new__(cls)
+    nn.Module.__init__(lm)
+    lm.model = _LanguageModel(attr)
+    lm.config = types.SimpleNamespace(hidden_size=8, num_hidden_layers=WARN_LAYERS)
+    lm.pp_group = types.SimpleNamespace(is_last_rank=True)
+    lm.capture_aux_hidden_states = False
+    return lm
+
+
+def _llama_ids():
+    return _ids_holder(LlamaForCausalLM, "layers_to_capture")
+
+
+def _kimi_linear_ids():
+    # DSpark only: its model keeps the ids in dspark_layers_to_capture.
+    return _ids_holder(KimiLinearForCausalLM, "dspark_layers_to_capture")
+
+
+class _External(nn.Module):
+    """A model whose captures another package takes (as MindSporeForCausalLM's)."""
+
+    def set_eagle3_layers_to_capture(self, layer_ids=None):
+        self.requested = layer_ids
+
+
+class TestFinalLayerCaptureIgnored(CustomTestCase):
+    def _warnings(self, model, eagle3=None, dflash=None, dspark=False):
+        with mock.patch.object(attention_backend_setup.logger, "warning") as warning:
+            _configure(
+                model,
+                eagle_use_aux_hidden_state=eagle3 is not None,
+                eagle_aux_hidden_state_layer_ids=(
+                    None if eagle3 == "default" else eagle3
+                ),
+                dflash_use_aux_hidden_state=dflash is not None,
+                dflash_target_layer_ids=dflash,
+                is_dspark=dspark,
+                final_layer_capture="post_norm",
+                num_layers=WARN_LAYERS,
+            )
+        return [
+            call.args[0]
+            for call in warning.call_args_list
+            if "final_layer_capture='post_norm' is ignored" in call.args[0]
+        ]
+
+    def test_without_a_last_layer_capture_it_warns_once(self):
+        for eagle3, dflash, why in (
+            (None, None, "takes no aux hidden states"),
+            ("default", None, "the default [2, L // 2, L - 3] do not include"),
+            ([0, 1, 2], None, "[0, 1, 2] do not include the target's last layer (7)"),
+            (None, [0, 2], "[0, 2] do not include the target's last layer (7)"),
+        ):
+            with self.subTest(eagle3=eagle3, dflash=dflash):
+                warned = self._warnings(_llama_ids(), eagle3=eagle3, dflash=dflash)
+                self.assertEqual(len(warned), 1, warned)
+                self.assertIn(why, warned[0])
+
+    def test_a_model_without_layers_to_capture_warns(self):
+        model = _External()
+        warned = self._warnings(model, eagle3=[0, 1, WARN_LAYERS - 1])
+        self.assertEqual(model.requested, [0, 1, WARN_LAYERS - 1])
+        self.assertEqual(len(warned), 1, warned)
+        self.assertIn("_External keeps no layers_to_capture", warned[0])
+
+    def test_no_warning_with_the_last_layer(self):
+        self.assertEqual(
+            self._warnings(_llama_ids(), eagle3=[0, 1, WARN_LAYERS - 1]), []
+        )
+        self.assertEqual(self._warnings(_llama_ids(), dflash=[1, WARN_LAYERS - 1]), [])
+
+    def test_dspark_ids_in_dspark_layers_to_capture(self):
+        warned = self._warnings(_kimi_linear_ids(), dflash=[0, 2], dspark=True)
+        self.assertEqual(len(warned), 1, warned)
+        self.assertIn("[0, 2] do not include the target's last layer (7)", warned[0])
+        model = _kimi_linear_ids()
+        self.assertEqual(
+            self._warnings(model, dflash=[1, WARN_LAYERS - 1], dspark=True), []
+        )
+        self.assertEqual(model.model.dspark_layers_to_capture, [1, WARN_LAYERS - 1])
+
+
+# BeamModel: both layer loops, real decoder layers over stand-in attention and MLP.
+BEAM_HIDDEN = 8
+BEAM_LAYERS = 4
+BEAM_IDS = (1, BEAM_LAYERS - 1)  # layer outputs; the last one's capture is the question
+
+
+class _BeamLinear(nn.Module):
+    """Stands in for BeamAttention and BeamMLP: a fixed per-instance linear map."""
+
+    seed = 0
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__()
+        _BeamLinear.seed += 1
+        g = torch.Generator().manual_seed(_BeamLinear.seed)
+        self.weight = (
+            torch.randn(config.hidden_size, config.hidden_size, generator=g) / 3
+        )
+
+    def forward(self, *args, **kwargs):
+        hidden = args[1] if len(args) > 1 else args[0]
+        return torch.tanh(hidden @ self.weight)
+
+
+def _beam(fused):
+    config = BeamConfig(
+        vocab_size=32,
+        hidden_size=BEAM_HIDDEN,
+        intermediate_size=16,
+        num_hidden_layers=BEAM_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        sliding_window=4,
+        mlp_layer_types=["dense"] * BEAM_LAYERS,
+    )
+    with (
+        mock.patch.object(beam, "BeamAttention", _BeamLinear),
+        mock.patch.object(beam, "BeamMLP", _BeamLinear),
+        mock.patch.object(
+            beam, "get_parallel", lambda: types.SimpleNamespace(attn_dp_size=1)
+        ),
+    ):
+        layers = nn.ModuleList(
+            beam.BeamDecoderLayer(config, i, prefix=f"layers.{i}")
+            for i in range(BEAM_LAYERS)
+        )
+    model = beam.BeamModel.__new__(beam.BeamModel)
+    nn.Module.__init__(model)
+    model.config, model.layers = config, layers
+    model.start_layer, model.end_layer = 0, BEAM_LAYERS
+    model.norm = RMSNorm(BEAM_HIDDEN, eps=config.rms_norm_eps)
+    model.norm.weight.data = torch.linspace(0.5, 1.5, BEAM_HIDDEN)
+    model.pp_group = types.SimpleNamespace(
+        is_first_rank=True, is_last_rank=True, world_size=1
+    )
+    model.has_full_attention = True
+    model.layers_to_capture = BEAM_IDS
+    model.fuse_moe_all_reduce = False
+    model._beam_all_reduce_comm = None
+    model.fuse_layers = fused
+    model._flashinfer_ar_tokens = None
+    model._flashinfer_ar = None
+    model._mlp_has_single_tp_sum = True
+    return model
+
+
+def _beam_run(model, embeds, value):
+    aux_hidden_states.set_final_layer_capture(model, value)
+    with torch.no_grad():
+        return model.forward(
+            input_ids=None,
+            positions=torch.arange(embeds.shape[0]),
+            forward_batch=types.SimpleNamespace(aux_hidden_states_buffer=None),
+            input_embeds=embeds,
+        )
+
+
+class TestBeamPostNormCapture(CustomTestCase):
+    def test_last_capture_is_the_final_norms_output(self):
+        embeds = torch.randn(TOKENS, BEAM_HIDDEN)
+        for loop, fused in (("plain", False), ("fused", True)):
+            with self.subTest(loop=loop):
+                model = _beam(fused)
+                hidden_pre, aux_pre = _beam_run(model, embeds.clone(), "pre_norm")
+                hidden, aux = _beam_run(model, embeds.clone(), "post_norm")
+                torch.testing.assert_close(hidden, hidden_pre)
+                torch.testing.assert_close(
+                    aux[:, :BEAM_HIDDEN], aux_pre[:, :BEAM_HIDDEN]
+                )
+                last_pre_norm = aux_pre[:, BEAM_HIDDEN:]
+                torch.testing.assert_close(
+                    aux[:, BEAM_HIDDEN:], model.norm(last_pre_norm)
+                )
+                torch.testing.assert_close(aux[:, BEAM_HIDDEN:], hidden)
+
+    def test_model_runner_configures_post_norm(self):
+        # The model runner configures the captures once the server args are
+        # published.
+        server_args = get_context().override_server_args()
+        server_args.install()
+        self.addCleanup(server_args.restore)
+        model = beam.BeamForCausalLM.__new__(beam.BeamForCausalLM)
+        nn.Module.__init__(model)
+        model.model = _beam(fused=True)
+        model.model.layers_to_capture = ()
+        model.config = model.model.config
+        model.capture_aux_hidden_states = False
+        _configure(
+            model,
+            dflash_use_aux_hidden_state=True,
+            dflash_target_layer_ids=list(BEAM_IDS),
+            final_layer_capture="post_norm",
+        )
+        self.assertEqual(tuple(model.model.layers_to_capture), BEAM_IDS)
+        self.assertTrue(aux_hidden_states.final_layer_capture_post_norm(model.model))
+
+
+# Qwen3-VL: captures next to the deepstack addition.
+VL_HIDDEN = 8
+VL_LAYERS = 4
+NUM_DEEPSTACK = 3
+VL_CAPTURED = [1, 2, 3, VL_LAYERS]
+
+# Each language model with the wrapper that runs it.
+FAMILY = (
+    (Qwen3LLMModel, Qwen3VLForConditionalGeneration),
+    (Qwen3MoeLLMModel, Qwen3VLMoeForConditionalGeneration),
+)
+
+
+class _DeepstackLayer(nn.Module):
+    """Completes the previous layer's output and captures it when asked, before a
+    ``post_residual_addition`` joins the stream (as the attention boundary
+    captures before its read), then adds ``layer_id + 1`` for the next boundary."""
+
+    def __init__(self, layer_id):
+        super().__init__()
+        self.layer_id = layer_id
+
+    def forward(
+        self,
+        positions,
+        hidden_states,
+        forward_batch,
+        post_residual_addition=None,
+        capture_output=None,
+        **unused,
+    ):
+        hidden_states = residual_batch.fold(hidden_states, forward_batch)
+        if capture_output is not None:
+            capture_output(hidden_states)
+        if post_residual_addition is not None:
+            hidden_states = residual_batch.set_written(
+                hidden_states + post_residual_addition, forward_batch
+            )
+        contribution = torch.full_like(hidden_states, float(self.layer_id + 1))
+        return residual_batch.stream_of(forward_batch).record(contribution, PLAIN_ADD)
+
+
+def _vl_model(model_cls, hf_order):
+    model = model_cls.__new__(model_cls)
+    nn.Module.__init__(model)
+    model.layers = nn.ModuleList([_DeepstackLayer(i) for i in range(VL_LAYERS)])
+    model.start_layer, model.end_layer = 0, VL_LAYERS
+    model.layers_to_capture = list(VL_CAPTURED)
+    model.norm = InPlaceNorm()
+    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    model.hidden_size = VL_HIDDEN
+    model.deepstack_embed_to_decoder_layer = range(NUM_DEEPSTACK)
+    model.use_hf_deepstack_order = hf_order
+    return model
+
+
+def _vl_captures(model, embeds, deepstack):
+    forward_batch = types.SimpleNamespace(
+        can_run_tbo=False,
+        residual_stream=None,
+        forward_mode=ForwardMode.EXTEND,
+        aux_hidden_states_buffer=None,
+    )
+    _, aux = model.forward(
+        input_ids=None,
+        positions=torch.arange(embeds.shape[0]),
+        forward_batch=forward_batch,
+        input_embeds=embeds,
+        input_deepstack_embeds=deepstack,
+    )
+    return aux
+
+
+def _vl_expected(embeds, deepstack, post):
+    # Capture index i: the output of layer i - 1 (embeds + 1 + ... + i) with the
+    # deepstack of layers 0 .. i - 2 in it; "post_deepstack" adds layer i - 1's.
+    captures = []
+    for i in VL_CAPTURED:
+        with_deepstack = min(i if post or i == VL_LAYERS else i - 1, NUM_DEEPSTACK)
+        capture = embeds + float(sum(range(1, i + 1)))
+        for j in range(with_deepstack):
+            capture = capture + deepstack[:, j * VL_HIDDEN : (j + 1) * VL_HIDDEN]
+        captures.append(capture)
+    return torch.cat(captures, dim=-1)
+
+
+def _vl_wrapper(wrapper_cls, language_model):
+    wrapper = wrapper_cls.__new__(wrapper_cls)
+    nn.Module.__init__(wrapper)
+    wrapper.model = language_model
+    wrapper.config = types.SimpleNamespace(
+        hidden_size=VL_HIDDEN, num_hidden_layers=VL_LAYERS
+    )
+    wrapper.pp_group = types.SimpleNamespace(is_last_rank=True)
+    wrapper.capture_aux_hidden_states = False
+    return wrapper
+
+
+def _configure_deepstack(model, deepstack_capture):
+    _configure(
+        model,
+        eagle_use_aux_hidden_state=True,
+        eagle_aux_hidden_state_layer_ids=[i - 1 for i in VL_CAPTURED],
+        deepstack_capture=deepstack_capture,
+    )
+
+
+class TestQwen3VLDeepstackCapture(CustomTestCase):
+    def _check(self, setting, post, orders=(False, True)):
+        for model_cls, wrapper_cls in FAMILY:
+            for hf_order in orders:
+                with self.subTest(
+                    model=model_cls.__name__, hf_order=hf_order, setting=setting
+                ):
+                    torch.manual_seed(0)
+                    embeds = torch.randn(TOKENS, VL_HIDDEN)
+                    deepstack = torch.randn(TOKENS, NUM_DEEPSTACK * VL_HIDDEN)
+                    model = _vl_model(model_cls, hf_order)
+                    _configure_deepstack(_vl_wrapper(wrapper_cls, model), setting)
+                    self.assertEqual(model.layers_to_capture, VL_CAPTURED)
+                    torch.testing.assert_close(
+                        _vl_captures(model, embeds.clone(), deepstack),
+                        _vl_expected(embeds, deepstack, post),
+                    )
+
+    def test_unset_keeps_each_order_its_own_side(self):
+        for hf_order in (False, True):
+            self._check(None, post=not hf_order, orders=(hf_order,))
+
+    def test_post_deepstack_on_both_orders(self):
+        self._check("post_deepstack", post=True)
+
+    def test_pre_deepstack_takes_the_previous_layer_output_on_both_orders(self):
+        self._check("pre_deepstack", post=False)
+
+    def test_pre_deepstack_is_the_layer_output_bit_for_bit(self):
+        # Layer j's output does not depend on its own deepstack: the capture after it
+        # must equal, bit for bit, that of a forward whose deepstack j alone is zero.
+        # Large deepstack values make (x + d) - d differ from x in the last bits.
+        for dtype in (torch.bfloat16, torch.float32):
+            for model_cls, wrapper_cls in FAMILY:
+                for hf_order in (False, True):
+                    with self.subTest(
+                        model=model_cls.__name__, hf_order=hf_order, dtype=dtype
+                    ):
+                        torch.manual_seed(1)
+                        embeds = torch.randn(TOKENS, VL_HIDDEN).to(dtype)
+                        deepstack = (
+                            torch.randn(TOKENS, NUM_DEEPSTACK * VL_HIDDEN) * 300
+                        ).to(dtype)
+                        model = _vl_model(model_cls, hf_order)
+                        _configure_deepstack(
+                            _vl_wrapper(wrapper_cls, model), "pre_deepstack"
+                        )
+                        got = _vl_captures(model, embeds.clone(), deepstack)
+                        for j in range(NUM_DEEPSTACK):
+                            zeroed = deepstack.clone()
+                            zeroed[:, j * VL_HIDDEN : (j + 1) * VL_HIDDEN] = 0
+                            alone = _vl_captures(model, embeds.clone(), zeroed)
+                            k = VL_CAPTURED.index(j + 1)
+                            cols = slice(k * VL_HIDDEN, (k + 1) * VL_HIDDEN)
+                            self.assertTrue(
+                                torch.equal(got[:, cols], alone[:, cols]), (j, dtype)
+                            )
+
+    def test_text_only_batches_are_unchanged(self):
+        for model_cls, _ in FAMILY:
+            for hf_order in (False, True):
+                with self.subTest(model=model_cls.__name__, hf_order=hf_order):
+                    embeds = torch.randn(TOKENS, VL_HIDDEN)
+                    model = _vl_model(model_cls, hf_order)
+                    model.set_deepstack_capture("pre_deepstack")
+                    torch.testing.assert_close(
+                        _vl_captures(model, embeds.clone(), None),
+                        _vl_expected(
+                            embeds, torch.zeros(TOKENS, NUM_DEEPSTACK * VL_HIDDEN), True
+                        ),
+                    )
+
+
+class TestDeepstackCaptureSetting(CustomTestCase):
+    def test_server_value_over_draft_config_over_model_default(self):
+        draft = {"deepstack_capture": "pre_deepstack"}
+        self.assertIsNone(
+            aux_hidden_states.resolve_deepstack_capture(None, None, "eagle_config")
+        )
+        self.assertIsNone(
+            aux_hidden_states.resolve_deepstack_capture(None, {}, "eagle_config")
+        )
+        self.assertEqual(
+            aux_hidden_states.resolve_deepstack_capture(None, draft, "eagle_config"),
+            "pre_deepstack",
+        )
+        self.assertEqual(
+            aux_hidden_states.resolve_deepstack_capture(
+                "post_deepstack", draft, "eagle_config"
+            ),
+            "post_deepstack",
+        )
+
+    def test_unknown_values_raise_naming_their_source(self):
+        with self.assertRaisesRegex(ValueError, "dflash_config.deepstack_capture"):
+            aux_hidden_states.resolve_deepstack_capture(
+                None, {"deepstack_capture": "after"}, "dflash_config"
+            )
+        with self.assertRaisesRegex(ValueError, "--speculative-deepstack-capture"):
+            aux_hidden_states.resolve_deepstack_capture("pre", None, "eagle_config")
+        model = _vl_model(Qwen3LLMModel, False)
+        with self.assertRaisesRegex(ValueError, "deepstack_capture"):
+            model.set_deepstack_capture("PRE_DEEPSTACK")
+        self.assertIsNone(model.deepstack_capture_post)
+
+    def test_a_model_without_deepstack_logs_that_it_is_ignored(self):
+        model = nn.Linear(2, 2)
+        model.set_eagle3_layers_to_capture = lambda layer_ids=None: None
+        with self.assertLogs(attention_backend_setup.logger, "WARNING") as logs:
+            _configure_deepstack(model, "pre_deepstack")
+        self.assertIn("deepstack_capture='pre_deepstack' is ignored", logs.output[0])
 
 
 if __name__ == "__main__":

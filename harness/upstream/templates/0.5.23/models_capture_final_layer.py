@@ -21,6 +21,15 @@ loop when the batch could run TBO; one that does not capture still overlaps.
 glm5_next (whose guard covered DFlash only) and minimax_m3 (no guard) get the
 same gate.
 
+qwen2_moe (whose forward qwen3_moe runs too), qwen3_next and qwen3_5 kept a
+second record of what to capture: their setters flagged each layer
+(``_is_layer_to_capture``) and the forward handed the capture list only to a
+flagged layer. Code that sets ``layers_to_capture`` itself, as the Qwen3-VL
+wrapper does for a language model without a setter, got a forward that
+captured nothing inside its layer loop; and a list changed after the setter
+ran still captured at the layers flagged before. The forward must capture
+index i at the input of layer i exactly when i is in the list.
+
 Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
 norm are small stand-ins on the real residual stream
 (``forward_batch.residual_stream``); each model's forward is the real one, and
@@ -48,7 +57,7 @@ from sglang.srt.models.longcat_flash import LongcatFlashModel
 from sglang.srt.models.muse_glimmer import MuseGlimmerForCausalLM, MuseGlimmerModel
 from sglang.srt.models.nanbeige import NanbeigeModel
 from sglang.srt.models.qwen2_moe import Qwen2MoeModel
-from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM
+from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from sglang.srt.models.qwen3_moe import Qwen3MoeModel
 from sglang.srt.models.qwen3_next import Qwen3NextModel
 from sglang.srt.models.qwen3_vl import Qwen3LLMModel
@@ -384,6 +393,68 @@ class TestModelsCaptureSkipsTbo(CustomTestCase):
 
     def test_non_capturing_deepseek_v2_overlaps(self):
         self._check_overlaps(_deepseek_v2)
+
+
+
+# The models whose forward decided the in-loop captures by a per-layer flag.
+FLAG_FORWARDS = (
+    Qwen2MoeModel,
+    Qwen3MoeModel,
+    Qwen3NextModel,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+)
+
+
+class TestModelsCaptureByIndex(CustomTestCase):
+    def _check_captures(self, model, layers_to_capture):
+        embeds = torch.randn(TOKENS, HIDDEN)
+        out = _run(model, embeds.clone())
+        # A model returns the captures only when it took some.
+        hidden, aux = out if isinstance(out, tuple) else (out, [])
+        aux = _captures(aux)
+        self.assertEqual(
+            len(aux),
+            len(layers_to_capture),
+            f"{len(aux)} of {len(layers_to_capture)} requested captures came out",
+        )
+        for capture, layer_id in zip(aux, layers_to_capture):
+            torch.testing.assert_close(capture, _output_of(embeds, layer_id - 1))
+        torch.testing.assert_close(hidden, _output_of(embeds, NUM_LAYERS - 1) * 0.5)
+
+    def test_list_set_without_setter(self):
+        # The list alone, as a wrapper sets it on its language model; with and
+        # without the final layer (taken after the loop).
+        for layers_to_capture in ([1, 2], [1, NUM_LAYERS]):
+            for model_cls in FLAG_FORWARDS:
+                with self.subTest(model=model_cls.__name__, ids=layers_to_capture):
+                    model = _model(model_cls, layers_to_capture)
+                    self._check_captures(model, layers_to_capture)
+
+    def test_list_changed_after_setter(self):
+        # The list replaced after a setter ran is what the forward captures.
+        for model_cls in FLAG_FORWARDS:
+            with self.subTest(model=model_cls.__name__):
+                model = _model(model_cls)
+                if hasattr(model, "set_eagle3_layers_to_capture"):
+                    model.set_eagle3_layers_to_capture([0, 1])
+                else:
+                    model.set_dflash_layers_to_capture([0, 1])
+                model.layers_to_capture = [2]
+                self._check_captures(model, [2])
+
+    def test_setters_request_the_same_captures(self):
+        for model_cls in FLAG_FORWARDS:
+            for setter in (
+                "set_eagle3_layers_to_capture",
+                "set_dflash_layers_to_capture",
+            ):
+                if not hasattr(model_cls, setter):
+                    continue
+                with self.subTest(model=model_cls.__name__, setter=setter):
+                    model = _model(model_cls)
+                    getattr(model, setter)([0, 2])
+                    self._check_captures(model, list(model.layers_to_capture))
 
 
 if __name__ == "__main__":
