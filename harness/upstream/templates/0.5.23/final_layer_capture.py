@@ -50,6 +50,7 @@ from sglang.srt.layers import aux_hidden_states
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.model_executor import model_runner
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner_components import (
     attention_backend_setup,
@@ -826,6 +827,96 @@ class TestDeepstackCaptureSetting(CustomTestCase):
         with self.assertLogs(attention_backend_setup.logger, "WARNING") as logs:
             _configure_deepstack(model, "pre_deepstack")
         self.assertIn("deepstack_capture='pre_deepstack' is ignored", logs.output[0])
+
+
+class _Stop(Exception):
+    """Ends ModelRunner.init_attention_backends after it has configured the captures."""
+
+
+def _init_capture(model, **settings):
+    """ModelRunner.init_attention_backends on ``model`` with a resolved
+    SpecAuxHiddenStateConfig of EAGLE3 ids and ``settings`` (what the draft config
+    or the server arguments asked for): it configures the aux hidden state
+    capture first, then the backends, which this stops before building."""
+    config = dict(
+        eagle_use_aux_hidden_state=True,
+        eagle_aux_hidden_state_layer_ids=None,
+        dflash_use_aux_hidden_state=False,
+        dflash_target_layer_ids=None,
+        is_dspark=False,
+        final_layer_capture="pre_norm",
+        deepstack_capture=None,
+        target_num_layers=None,
+    )
+    config.update(settings)
+    runner = types.SimpleNamespace(
+        model=model, spec_aux_config=types.SimpleNamespace(**config)
+    )
+    with (
+        mock.patch.object(
+            attention_backend_setup,
+            "get_exec",
+            lambda: types.SimpleNamespace(
+                overlap=types.SimpleNamespace(enable_two_batch_overlap=False)
+            ),
+        ),
+        mock.patch.object(
+            model_runner, "resolve_attention_backend_strs", side_effect=_Stop
+        ),
+    ):
+        try:
+            model_runner.ModelRunner.init_attention_backends(runner)
+        except _Stop:
+            return
+    raise AssertionError("init_attention_backends did not reach the backends")
+
+
+class _EagleWrapper(nn.Module):
+    """A CausalLM over a language model: its EAGLE3 setter takes layer-input ids."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def set_eagle3_layers_to_capture(self, layer_ids=None):
+        self.model.layers_to_capture = [i + 1 for i in layer_ids]
+
+
+class TestTheModelRunnerServesTheDraftsSetting(CustomTestCase):
+    """What a draft asks for reaches the forward through the model runner's own
+    start-up: the captures it gets are the side it asked for."""
+
+    def test_post_norm_last_capture(self):
+        wrapper = _EagleWrapper(_build(LlamaModel, []))
+        _init_capture(
+            wrapper,
+            eagle_aux_hidden_state_layer_ids=[i - 1 for i in CAPTURE_IDS],
+            final_layer_capture="post_norm",
+            target_num_layers=NUM_LAYERS,
+        )
+        embeds = torch.randn(TOKENS, HIDDEN)
+        hidden, aux = _forward(wrapper.model, embeds.clone())
+        norm_output = _stream_after(embeds, NUM_LAYERS) * 3.0 - 1.0
+        torch.testing.assert_close(aux[-1], norm_output)
+        torch.testing.assert_close(hidden, norm_output)
+
+    def test_pre_deepstack_captures_on_the_inference_path(self):
+        for model_cls, wrapper_cls in FAMILY:
+            with self.subTest(model=model_cls.__name__):
+                torch.manual_seed(0)
+                embeds = torch.randn(TOKENS, VL_HIDDEN)
+                deepstack = torch.randn(TOKENS, NUM_DEEPSTACK * VL_HIDDEN)
+                model = _vl_model(model_cls, hf_order=False)
+                _init_capture(
+                    _vl_wrapper(wrapper_cls, model),
+                    eagle_aux_hidden_state_layer_ids=[i - 1 for i in VL_CAPTURED],
+                    deepstack_capture="pre_deepstack",
+                    target_num_layers=VL_LAYERS,
+                )
+                torch.testing.assert_close(
+                    _vl_captures(model, embeds.clone(), deepstack),
+                    _vl_expected(embeds, deepstack, post=False),
+                )
 
 
 if __name__ == "__main__":
