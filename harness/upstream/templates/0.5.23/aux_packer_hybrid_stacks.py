@@ -7,8 +7,8 @@ and their concatenation at once (2 x K x T x H). Qwen3NextModel, the Qwen3.5
 bodies (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, InternS2MobiusForCausalLM),
 GraniteMoeHybridModel, Glm5NextModel, MiniMaxM3Model, Lfm2Model, Lfm2MoeModel,
 NemotronHModel, KimiLinearModel and BailingMoELinearModel collect into
-AuxHiddenStatePacker instead: each capture, the last layer's included (before
-or after the final norm), is copied once into its slot of one [T, K * H]
+AuxHiddenStatePacker instead: each capture, the last layer's included, is
+copied once into its slot of one [T, K * H]
 buffer, which is what the forward returns and what pack_aux_hidden_states
 hands on unchanged. A DFlash-family decode CUDA graph passes a slice of one
 shared buffer on the batch (aux_hidden_states_buffer), sized by the

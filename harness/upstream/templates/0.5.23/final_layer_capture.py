@@ -31,13 +31,15 @@ the deepstack subtracted again.
 
 Runs on CPU without a GPU or a checkpoint: the decoder layers and the final
 norm are small stand-ins on the real residual stream
-(``forward_batch.residual_stream``, sglang.test.aux_capture_test_utils);
-LlamaModel.forward, DeepseekV2Model.forward, the Qwen3-VL language models'
-forwards and the setters are the real ones; BeamModel runs its real decoder
+(``forward_batch.residual_stream``, sglang.test.aux_capture_test_utils); the
+forwards (Llama, DeepSeek-V2, the MoE, hybrid, looped, top-k and Qwen3-VL
+loops, and kimi_linear, whose ids name layer outputs), the setters and the
+model runner's start-up are the real ones; BeamModel runs its real decoder
 layers (norms and fused transitions) over stand-in attention and MLP, with a
 final norm whose weight is not 1.
 """
 
+import inspect
 import types
 import unittest
 from unittest import mock
@@ -59,15 +61,24 @@ from sglang.srt.model_executor.model_runner_components import (
 from sglang.srt.models import beam
 from sglang.srt.models.deepseek_v2 import DeepseekV2Model
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sglang.srt.models.glm4_moe import Glm4MoeModel
+from sglang.srt.models.glm5_next import Glm5NextModel
+from sglang.srt.models.granitemoehybrid import GraniteMoeHybridModel
 from sglang.srt.models.inkling import InklingForConditionalGeneration
-from sglang.srt.models.kimi_linear import KimiLinearForCausalLM
+from sglang.srt.models.kimi_linear import KimiLinearForCausalLM, KimiLinearModel
 from sglang.srt.models.llama import LlamaForCausalLM, LlamaModel
+from sglang.srt.models.longcat_flash import LongcatFlashModel
+from sglang.srt.models.nanbeige import NanbeigeModel
+from sglang.srt.models.qwen2_moe import Qwen2MoeModel
+from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM
+from sglang.srt.models.qwen3_moe import Qwen3MoeModel
+from sglang.srt.models.qwen3_next import Qwen3NextModel
 from sglang.srt.models.qwen3_vl import Qwen3LLMModel, Qwen3VLForConditionalGeneration
 from sglang.srt.models.qwen3_vl_moe import (
     Qwen3MoeLLMModel,
     Qwen3VLMoeForConditionalGeneration,
 )
-from sglang.srt.runtime_context import get_context
+from sglang.srt.runtime_context import get_context, get_parallel
 from sglang.test.aux_capture_test_utils import (
     InPlaceNorm,
     StreamLayer,
@@ -117,7 +128,7 @@ class _FusedAddScaleNorm(nn.Module):
     pre-norm capture must be taken from the updated residual, not the output.
     """
 
-    def forward(self, hidden_states, residual=None):
+    def forward(self, hidden_states, residual=None, **unused_kwargs):
         if residual is None:
             return hidden_states * 3.0 - 1.0
         residual.add_(hidden_states)
@@ -130,39 +141,93 @@ def _stream_after(embeds, num_layers):
     return stream_after(embeds, num_layers - 1, step=10.0)
 
 
+# The forwards whose layers return top-k routing beside the stream.
+TOPK_FORWARDS = (DeepseekV2Model, Glm5NextModel, LongcatFlashModel)
+
+# Forwards that take the last layer's capture at their final norm, each with a
+# post_norm branch of its own, beyond LlamaModel and DeepseekV2Model: MoE, hybrid
+# (linear attention, Mamba), looped, top-k and multimodal language-model loops.
+FINAL_NORM_FORWARDS = (
+    Glm4MoeModel,
+    Glm5NextModel,
+    GraniteMoeHybridModel,
+    LongcatFlashModel,
+    NanbeigeModel,
+    Qwen2MoeModel,
+    Qwen3MoeModel,
+    Qwen3NextModel,
+    Qwen3_5ForCausalLM,
+    Qwen3LLMModel,
+    KimiLinearModel,
+)
+
+
 def _build(model_cls, capture_ids, setting=None):
     """The model over stand-in layers; ``setting``: its final-layer capture, as the
     model runner hands it over (None: never set)."""
-    returns_topk = model_cls is DeepseekV2Model
     model = model_cls.__new__(model_cls)
     nn.Module.__init__(model)
     model.layers = nn.ModuleList(
         [
-            StreamLayer(i, step=10.0, returns_topk=returns_topk)
+            StreamLayer(i, step=10.0, returns_topk=model_cls in TOPK_FORWARDS)
             for i in range(NUM_LAYERS)
         ]
     )
-    model.start_layer, model.end_layer = 0, NUM_LAYERS
+    if isinstance(model, Qwen3_5ForCausalLM):  # properties over these
+        model._start_layer, model._end_layer = 0, NUM_LAYERS
+    else:
+        model.start_layer, model.end_layer = 0, NUM_LAYERS
     model.layers_to_capture = list(capture_ids)
     model.norm = _FusedAddScaleNorm()
-    model.pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True)
-    if returns_topk:
-        model.use_dsa = False
-        model.first_k_dense_replace = 0
-        model.llama_4_scaling_config = None
-        model.next_full_attention_layer_id = {}
+    model.pp_group = types.SimpleNamespace(
+        is_first_rank=True, is_last_rank=True, world_size=1
+    )
+    # Attributes the forwards read (their __init__ is not run).
+    model.config = types.SimpleNamespace(
+        num_loops=1,
+        num_hidden_layers=NUM_LAYERS,
+        skip_loop_final_norm=True,
+        mhc=False,
+        embedding_multiplier=1.0,
+    )
+    model.use_dsa = False
+    model.first_k_dense_replace = 0
+    model.llama_4_scaling_config = None
+    model.next_full_attention_layer_id = {}
+    model.dflash_capture = False
+    model.enable_a2a_moe = False
+    model.meta_mlp = None
+    model.hidden_size = HIDDEN
+    model.embedding_multiplier = 1.0
+    model.flashinfer_mnnvl_cutedsl_fusion = None
+    model.use_hf_deepstack_order = False
+    if model_cls is KimiLinearModel:
+        # DSpark ids name layer outputs: the last one is taken inside the loop,
+        # or, under post_norm, as the final norm's output after it.
+        model.dspark_layers_to_capture = [i - 1 for i in capture_ids]
+        model.config.hidden_size = HIDDEN
     if setting is not None:
         aux_hidden_states.set_final_layer_capture(model, setting)
     return model
 
 
 def _forward(model, embeds, idle=False):
-    hidden, aux = model.forward(
-        input_ids=None,
-        positions=torch.arange(embeds.shape[0]),
-        forward_batch=forward_batch(ForwardMode.IDLE if idle else ForwardMode.EXTEND),
-        input_embeds=embeds,
+    # Some forwards name it inputs_embeds.
+    embeds_arg = (
+        "inputs_embeds"
+        if "inputs_embeds" in inspect.signature(model.forward).parameters
+        else "input_embeds"
     )
+    # One pipeline stage, as the model's own group says (kimi_linear reads it).
+    with get_parallel().override(pp_group=model.pp_group):
+        hidden, aux = model.forward(
+            input_ids=None,
+            positions=torch.arange(embeds.shape[0]),
+            forward_batch=forward_batch(
+                ForwardMode.IDLE if idle else ForwardMode.EXTEND
+            ),
+            **{embeds_arg: embeds},
+        )
     if isinstance(aux, torch.Tensor):
         aux = list(aux.split(HIDDEN, dim=-1))
     return hidden, list(aux)
@@ -224,6 +289,12 @@ class TestFinalLayerCapture(CustomTestCase):
 
     def test_deepseek_v2_post_norm(self):
         self._check_post_norm(DeepseekV2Model)
+
+    def test_every_final_norm_forward(self):
+        for model_cls in FINAL_NORM_FORWARDS:
+            with self.subTest(model=model_cls.__name__):
+                self._check_pre_norm(model_cls)
+                self._check_post_norm(model_cls)
 
     def test_deepseek_v2_post_norm_idle_batch(self):
         # An idle batch skips the final norm; the last slot is still filled.
@@ -353,8 +424,11 @@ class TestResolveFinalLayerCapture(CustomTestCase):
 
 
 class TestInLoopModelsRefusePostNorm(CustomTestCase):
-    """Models whose last capture is taken inside the layer loop refuse post_norm
-    at start-up, before any setter runs, rather than serve pre_norm silently."""
+    """Models that cannot take the final norm's output as their last capture
+    (inkling's is taken before its layer's deferred short convolution, inside
+    the loop; deepseek_v4's final norm follows its hyper-connection head) refuse
+    post_norm at start-up, before any setter runs, rather than serve pre_norm
+    silently."""
 
     def _configure(self, model, value):
         _configure(

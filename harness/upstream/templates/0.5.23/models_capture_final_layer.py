@@ -395,7 +395,6 @@ class TestModelsCaptureSkipsTbo(CustomTestCase):
         self._check_overlaps(_deepseek_v2)
 
 
-
 # The models whose forward decided the in-loop captures by a per-layer flag.
 FLAG_FORWARDS = (
     Qwen2MoeModel,
@@ -444,6 +443,7 @@ class TestModelsCaptureByIndex(CustomTestCase):
                 self._check_captures(model, [2])
 
     def test_setters_request_the_same_captures(self):
+        layers_to_capture = [1, 2, NUM_LAYERS]
         for model_cls in FLAG_FORWARDS:
             for setter in (
                 "set_eagle3_layers_to_capture",
@@ -453,8 +453,8 @@ class TestModelsCaptureByIndex(CustomTestCase):
                     continue
                 with self.subTest(model=model_cls.__name__, setter=setter):
                     model = _model(model_cls)
-                    getattr(model, setter)([0, 2])
-                    self._check_captures(model, list(model.layers_to_capture))
+                    getattr(model, setter)(list(layers_to_capture))
+                    self._check_captures(model, layers_to_capture)
 
 
 if __name__ == "__main__":
