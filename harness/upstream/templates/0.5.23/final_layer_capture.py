@@ -97,6 +97,18 @@ NUM_LAYERS = 3
 CAPTURE_IDS = [1, 2, NUM_LAYERS]
 
 
+def _without_tbo():
+    """The model runner's execution settings with two-batch overlap off, where
+    configure_aux_hidden_state_capture reads them."""
+    return mock.patch.object(
+        attention_backend_setup,
+        "get_exec",
+        lambda: types.SimpleNamespace(
+            overlap=types.SimpleNamespace(enable_two_batch_overlap=False)
+        ),
+    )
+
+
 def _configure(model, **capture):
     """configure_aux_hidden_state_capture, the model runner's entry point, without
     two-batch overlap; ``capture``: its capture arguments (none requested unless
@@ -109,13 +121,7 @@ def _configure(model, **capture):
         is_dspark=False,
     )
     kwargs.update(capture)
-    with mock.patch.object(
-        attention_backend_setup,
-        "get_exec",
-        lambda: types.SimpleNamespace(
-            overlap=types.SimpleNamespace(enable_two_batch_overlap=False)
-        ),
-    ):
+    with _without_tbo():
         attention_backend_setup.configure_aux_hidden_state_capture(
             model=model, **kwargs
         )
@@ -927,13 +933,7 @@ def _init_capture(model, **settings):
         model=model, spec_aux_config=types.SimpleNamespace(**config)
     )
     with (
-        mock.patch.object(
-            attention_backend_setup,
-            "get_exec",
-            lambda: types.SimpleNamespace(
-                overlap=types.SimpleNamespace(enable_two_batch_overlap=False)
-            ),
-        ),
+        _without_tbo(),
         mock.patch.object(
             model_runner, "resolve_attention_backend_strs", side_effect=_Stop
         ),
